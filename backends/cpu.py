@@ -1,0 +1,111 @@
+"""The host-memory tier: one pre-allocated slab of fixed-size chunk slots.
+
+The slab is allocated once, at start-up, from the tier's byte budget (pinned
+when CUDA is present, so device copies can be asynchronous DMA). Slot ``i``
+is bytes ``[i * slot_bytes, (i + 1) * slot_bytes)``. The scheduler-side
+manager hands out slot numbers; this class only maps them to memory.
+
+Ownership: the slab belongs to this object for the life of the worker;
+backends and copiers get views and must not keep them past their job.
+As a :class:`~tiercache.backend.Backend` it also serves keyed put/get (used by
+the conformance kit and by standalone tools), with its own key->slot map.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tiercache.backend import Backend, JobResult
+
+
+class HostTier(Backend):
+    name = "cpu"
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None) -> None:
+        if num_slots <= 0 or slot_bytes <= 0:
+            raise ValueError(
+                f"host tier needs at least one slot (num_slots={num_slots}, slot_bytes={slot_bytes})"
+            )
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.pinned = pin_memory
+        # Untouched pages cost nothing until first written (on Linux), so the
+        # budget is reserved, not committed, until chunks arrive.
+        self.slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        # Keyed Backend interface (not used by the connector's slot path).
+        self._key_slots: dict[bytes, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._results: list[JobResult] = []
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def slot(self, index: int) -> torch.Tensor:
+        """The bytes of slot ``index`` as a 1-D uint8 tensor view."""
+        return self.slab[index]
+
+    # ---------------------------------------------------- keyed Backend API
+    def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+        start = time.perf_counter()
+        ok: list[bytes] = []
+        failed: list[bytes] = []
+        moved = 0
+        for key, view in zip(keys, views):
+            slot = self._key_slots.get(key)
+            if slot is None:
+                if not self._free or len(view) > self.slot_bytes:
+                    failed.append(key)
+                    continue
+                slot = self._free.pop()
+                self._key_slots[key] = slot
+            src = torch.frombuffer(view, dtype=torch.uint8)
+            self.slab[slot, : src.numel()].copy_(src)
+            moved += src.numel()
+            ok.append(key)
+        self._push(JobResult(job_id, tuple(ok), tuple(failed), moved, time.perf_counter() - start))
+
+    def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+        start = time.perf_counter()
+        ok: list[bytes] = []
+        failed: list[bytes] = []
+        moved = 0
+        for key, view in zip(keys, views):
+            slot = self._key_slots.get(key)
+            if slot is None or len(view) > self.slot_bytes:
+                failed.append(key)
+                continue
+            dst = torch.frombuffer(view, dtype=torch.uint8)
+            dst.copy_(self.slab[slot, : dst.numel()])
+            moved += dst.numel()
+            ok.append(key)
+        self._push(JobResult(job_id, tuple(ok), tuple(failed), moved, time.perf_counter() - start))
+
+    def _push(self, result: JobResult) -> None:
+        with self._lock:
+            self._results.append(result)
+
+    def poll(self) -> list[JobResult]:
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self._key_slots for k in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            slot = self._key_slots.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def close(self) -> None:
+        self._key_slots.clear()
+        self._results.clear()

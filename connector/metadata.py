@@ -1,0 +1,54 @@
+"""What crosses the scheduler/worker process boundary each engine step.
+
+Scheduler -> worker: :class:`TierCacheConnectorMetadata` (the step's load and
+store jobs). Worker -> scheduler: :class:`TierCacheWorkerMetadata` (finished
+jobs, summed over the workers of a TP group by ``aggregate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from tiercache.transfer import TransferJobSpec
+
+
+@dataclass
+class TierCacheConnectorMetadata(KVConnectorMetadata):
+    loads: list[TransferJobSpec] = field(default_factory=list)
+    stores: list[TransferJobSpec] = field(default_factory=list)
+
+
+@dataclass
+class JobReport:
+    """A finished job as seen by ``reports`` workers so far."""
+
+    reports: int
+    failed_keys: set[bytes]
+    bytes: int
+    secs: float
+
+
+@dataclass
+class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    done: dict[int, JobReport] = field(default_factory=dict)
+
+    def add(self, job_id: int, failed_keys: tuple[bytes, ...], num_bytes: int, secs: float) -> None:
+        self.done[job_id] = JobReport(1, set(failed_keys), num_bytes, secs)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TierCacheWorkerMetadata)
+        for job_id, rep in other.done.items():
+            mine = self.done.get(job_id)
+            if mine is None:
+                self.done[job_id] = JobReport(rep.reports, set(rep.failed_keys), rep.bytes, rep.secs)
+            else:
+                mine.reports += rep.reports
+                mine.failed_keys |= rep.failed_keys
+                mine.bytes += rep.bytes
+                mine.secs = max(mine.secs, rep.secs)
+        return self

@@ -1,0 +1,258 @@
+"""Scheduler half of the connector: requests -> chunk keys -> manager calls -> metadata.
+
+Runs in vLLM's scheduler process, on its one thread. Per request it keeps how
+far its chunks have been offered for storing; per step it collects the load
+jobs planned in ``update_state_after_alloc`` and plans the stores for chunks
+that the step's forward pass completes (prompt and, by default, generated
+tokens). Worker reports come back through ``update_connector_output`` and
+close the jobs in the manager (unpin loaded chunks, mark stored chunks ready
+or drop failed ones).
+
+Nothing here blocks or raises into vLLM for a storage problem: a store that
+cannot be planned is skipped (a future miss), a failed load is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tiercache.config import TierCacheConfig
+from tiercache.device import CopySegment
+from tiercache.events import ChunkEvent
+from tiercache.manager import OffloadingManager, TierSpec
+from tiercache.metrics import TierCacheMetrics
+from tiercache.transfer import TransferJobSpec
+
+from tiercache.connector.engine_info import ChunkGeometry
+from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request: "Request"
+    next_store_chunk: int = 0  # chunks below this were offered to the manager already
+    lookup_local_tokens: int | None = None  # vLLM's own hit, from get_num_new_matched_tokens
+    lookup_hit_tokens: int = 0
+
+
+@dataclass
+class _JobRecord:
+    direction: str
+    req_id: str
+    keys: tuple[bytes, ...]
+    reports_left: int
+    failed: set[bytes] = field(default_factory=set)
+
+
+class TierCacheScheduler:
+    def __init__(
+        self,
+        config: TierCacheConfig,
+        geometry: ChunkGeometry,
+        metrics: TierCacheMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.block_size = geometry.engine.block_size
+        self.chunk_tokens = geometry.chunk_tokens
+        self.bpc = geometry.blocks_per_chunk
+        self.keys = geometry.keyspace(config)
+        host = config.host_tier
+        self.manager = OffloadingManager([TierSpec(host.name, geometry.host_slots, host.policy)])
+        self.metrics = metrics or TierCacheMetrics()
+        self.metrics.label(self.metrics.capacity_bytes, host.name).set(
+            geometry.host_slots * geometry.slot_bytes
+        )
+        self._world_size = geometry.engine.world_size
+        self._reqs: dict[str, _RequestState] = {}
+        self._jobs: dict[int, _JobRecord] = {}
+        self._next_job_id = 0
+        self._step_loads: list[TransferJobSpec] = []
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._counters: dict[str, float] = {}
+        self._last_evictions = 0
+
+    # ------------------------------------------------------------ plumbing
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def _state(self, request: "Request") -> _RequestState:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _RequestState(request)
+            self._reqs[request.request_id] = st
+        return st
+
+    def _new_job(
+        self, direction: str, req_id: str, keys: tuple[bytes, ...], segments: tuple[CopySegment, ...]
+    ) -> TransferJobSpec:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = _JobRecord(direction, req_id, keys, self._world_size)
+        return TransferJobSpec(job_id, req_id, direction, keys, segments)  # type: ignore[arg-type]
+
+    def _count(self, name: str, value: float) -> None:
+        self._counters[name] = self._counters.get(name, 0) + value
+
+    # ------------------------------------------------------------- lookups
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        keys = self.keys.chunk_keys(request.block_hashes)
+        if not keys:
+            return 0, False
+        hits = self.manager.lookup(keys) or 0
+        # vLLM must compute at least the last prompt token itself.
+        loadable = ((request.num_tokens - 1) // self.block_size) * self.block_size
+        hit_tokens = min(hits * self.chunk_tokens, loadable)
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        st = self._state(request)
+        st.lookup_local_tokens = num_computed_tokens
+        st.lookup_hit_tokens = hit_tokens
+        return hit_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        st = self._state(request)
+        if num_external_tokens <= 0:
+            return
+        if st.lookup_local_tokens is None:
+            raise RuntimeError(
+                f"tiercache: load of {num_external_tokens} tokens for {request.request_id} "
+                "without a preceding lookup"
+            )
+        start = st.lookup_local_tokens
+        end = start + num_external_tokens
+        st.lookup_local_tokens = None
+        ct, bs, bpc = self.chunk_tokens, self.block_size, self.bpc
+        block_ids = blocks.get_block_ids()[0]
+        first_chunk, last_chunk = start // ct, (end - 1) // ct
+        keys = tuple(self.keys.chunk_keys(request.block_hashes)[first_chunk : last_chunk + 1])
+        plan = self.manager.prepare_load(keys)
+        segments: list[CopySegment] = []
+        for i, chunk in enumerate(range(first_chunk, last_chunk + 1)):
+            lo = max(start, chunk * ct) // bs
+            hi = -(-min(end, (chunk + 1) * ct) // bs)  # a partial last block loads whole
+            segments.append(CopySegment(plan.slots[i], lo - chunk * bpc, tuple(block_ids[lo:hi])))
+        self._step_loads.append(self._new_job("load", request.request_id, keys, tuple(segments)))
+        for tier in set(plan.tiers):
+            self.metrics.label(self.metrics.hit_tokens, tier).inc(num_external_tokens)
+        self._count("hit_tokens", num_external_tokens)
+        self._count("load_jobs", 1)
+
+    def hit_sources(self, request: "Request", num_external_tokens: int) -> dict[str, int]:
+        return {"host": num_external_tokens} if num_external_tokens else {}
+
+    # ---------------------------------------------------------- per step
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierCacheConnectorMetadata:
+        stores: list[TransferJobSpec] = []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is not None and num_new > 0:
+                job = self._plan_store(req_id, st, num_new)
+                if job is not None:
+                    stores.append(job)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.next_store_chunk = 0  # re-offer on resume; present chunks are skipped
+        for req_id in scheduler_output.finished_req_ids:
+            self._reqs.pop(req_id, None)
+        meta = TierCacheConnectorMetadata(loads=self._step_loads, stores=stores)
+        self._step_loads = []
+        self._sync_tier_metrics()
+        return meta
+
+    def _plan_store(self, req_id: str, st: _RequestState, num_new: int) -> TransferJobSpec | None:
+        request = st.request
+        computed_after = request.num_computed_tokens + num_new
+        limit = len(request.block_hashes) * self.block_size
+        if not self.config.offload_decode_tokens:
+            limit = min(limit, request.num_prompt_tokens)
+        full_chunks = min(computed_after, limit) // self.chunk_tokens
+        first = st.next_store_chunk
+        if full_chunks <= first:
+            return None
+        keys = self.keys.chunk_keys(request.block_hashes, start_chunk=first)[: full_chunks - first]
+        st.next_store_chunk = full_chunks
+        plan = self.manager.prepare_store(keys)
+        if plan is None:
+            return None
+        if plan.evicted:
+            self.metrics.label(self.metrics.evictions, plan.tier).inc(len(plan.evicted))
+            self._count("evicted_chunks", len(plan.evicted))
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+        chunk_of = {key: first + i for i, key in enumerate(keys)}
+        bpc = self.bpc
+        segments = []
+        for key, slot in zip(plan.keys, plan.slots):
+            c = chunk_of[key]
+            segments.append(CopySegment(slot, 0, tuple(block_ids[c * bpc : (c + 1) * bpc])))
+        self._count("store_jobs", 1)
+        return self._new_job("store", req_id, plan.keys, tuple(segments))
+
+    def update_connector_output(self, worker_meta: TierCacheWorkerMetadata | None) -> None:
+        if worker_meta is None:
+            return
+        for job_id, report in worker_meta.done.items():
+            rec = self._jobs.get(job_id)
+            if rec is None:
+                continue
+            rec.reports_left -= report.reports
+            rec.failed |= report.failed_keys
+            path = "host_to_device" if rec.direction == "load" else "device_to_host"
+            self.metrics.observe_transfer(path, report.bytes, report.secs)
+            self._count(f"{rec.direction}_bytes", report.bytes)
+            self._count(f"{rec.direction}_secs", report.secs)
+            if rec.reports_left > 0:
+                continue
+            del self._jobs[job_id]
+            self._finish_job(rec)
+
+    def _finish_job(self, rec: _JobRecord) -> None:
+        if rec.failed:
+            self.metrics.label(self.metrics.failures, rec.direction).inc(len(rec.failed))
+            self._count(f"failed_{rec.direction}_chunks", len(rec.failed))
+        if rec.direction == "load":
+            self.manager.complete_load(rec.keys)
+            return
+        ok = [k for k in rec.keys if k not in rec.failed]
+        self.manager.complete_store(ok, ok=True)
+        if rec.failed:
+            self.manager.complete_store(list(rec.failed), ok=False)
+
+    def _sync_tier_metrics(self) -> None:
+        for name, (used, _total) in self.manager.usage().items():
+            self.metrics.label(self.metrics.used_bytes, name).set(used * self.geometry.slot_bytes)
+
+    # ------------------------------------------------------------ the rest
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        # Stores for the request's last step were planned in that step's metadata and
+        # are fenced by the worker before the next forward pass: nothing to delay.
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def take_events(self) -> list[ChunkEvent]:
+        return self.manager.take_events()
+
+    def take_counters(self) -> dict[str, float]:
+        counters, self._counters = self._counters, {}
+        return counters
+
+    def reset(self) -> bool:
+        dropped = self.manager.reset()
+        logger.info("tiercache: reset dropped %d chunks", dropped)
+        return True
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()

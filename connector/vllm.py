@@ -1,0 +1,210 @@
+"""TierCacheConnector: the class vLLM loads; a thin facade over scheduler.py and worker.py.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "TierCacheConnector",
+                           "kv_connector_module_path": "tiercache.connector.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"config_file": "configs/cpu.yaml"}}'
+
+Other keys of ``kv_connector_extra_config`` override the YAML file (see
+``tiercache.config``). The connector runs on vLLM's CPU platform and on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiercache.config import config_from_extra
+from tiercache.metrics import TierCacheMetrics
+
+from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry
+from tiercache.connector.events import to_vllm_events
+from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.connector.scheduler import TierCacheScheduler
+from tiercache.connector.stats import TierCacheStats
+from tiercache.connector.worker import TierCacheWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ROLES = ("kv_both",)
+
+
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_role not in SUPPORTED_ROLES:
+            raise ValueError(
+                f"kv_role: TierCacheConnector supports {SUPPORTED_ROLES}, got {transfer.kv_role!r}"
+            )
+        self.config = config_from_extra(transfer.kv_connector_extra_config)
+        assert kv_cache_config is not None, "vLLM must pass kv_cache_config to connectors"
+        geometry = ChunkGeometry.build(self.config, EngineGeometry.from_vllm(vllm_config, kv_cache_config))
+        self._scheduler: TierCacheScheduler | None = None
+        self._worker: TierCacheWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # A failed load must become a recompute, not a failed request (DESIGN.md section 4);
+            # vLLM reads this right after constructing the scheduler-side connector.
+            transfer.kv_load_failure_policy = self.config.load_failure_policy
+            metrics = TierCacheMetrics(engine_label=str(transfer.engine_id or "0"))
+            if self.config.metrics.port is not None:
+                metrics.serve(self.config.metrics.port, self.config.metrics.host)
+            self._scheduler = TierCacheScheduler(self.config, geometry, metrics)
+            logger.info(
+                "tiercache: %d-token chunks (%d B), host tier %d chunks, namespace %s",
+                geometry.chunk_tokens,
+                geometry.slot_bytes,
+                geometry.host_slots,
+                self._scheduler.keys.digest.hex(),
+            )
+        else:
+            self._worker = TierCacheWorker(self.config, geometry, kv_cache_config.num_blocks)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is only a future miss
+
+    # ------------------------------------------------------------ worker side
+    def _w(self) -> TierCacheWorker:
+        assert self._worker is not None, "worker-side method called on the scheduler connector"
+        return self._worker
+
+    def _meta(self) -> TierCacheConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierCacheConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._w().handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._w().start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous and whole-request
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: "AttentionMetadata",
+        **kwargs: Any,
+    ) -> None:
+        return None  # stores are submitted once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._w().wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._w().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._w().build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # --------------------------------------------------------- scheduler side
+    def _s(self) -> TierCacheScheduler:
+        assert self._scheduler is not None, "scheduler-side method called on a worker connector"
+        return self._scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._s().bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._s().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._s().update_connector_output(
+            meta if isinstance(meta, TierCacheWorkerMetadata) else None
+        )
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        scheduler = self._s()
+        return to_vllm_events(scheduler.take_events(), scheduler.block_size * scheduler.bpc)
+
+    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+        if self._scheduler is None:
+            return None
+        counters = self._scheduler.take_counters()
+        return TierCacheStats.from_counters(counters) if counters else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats | None":
+        return TierCacheStats(data=dict(data or {}))
+
+    def reset_cache(self) -> bool | None:
+        return self._s().reset() if self._scheduler is not None else None
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """Manager statistics (scheduler side), for tools and tests."""
+        stats = self._s().manager.stats()
+        return {
+            "lookups": stats.lookups,
+            "lookup_hit_chunks": stats.lookup_hit_chunks,
+            "tiers": {name: t.as_dict() for name, t in stats.tiers.items()},
+        }

@@ -1,0 +1,120 @@
+"""Worker half of the connector: register KV caches, run the step's jobs, report.
+
+Runs in each vLLM worker process, on its main thread. Per step (see vLLM's
+``KVConnectorModelRunnerMixin``):
+
+1. ``handle_preemptions`` (before the forward pass): fence earlier stores, so
+   no block the forward pass may overwrite is still being read by a store;
+2. ``start_load_kv``: submit the step's loads (async; vLLM holds the requests
+   until ``get_finished`` reports them);
+3. ``wait_for_save`` (after the forward pass): submit the step's stores;
+4. ``get_finished`` / ``get_block_ids_with_load_errors`` /
+   ``build_worker_meta``: report finished loads, failed blocks (vLLM
+   recomputes them) and finished jobs for the scheduler's manager.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tiercache.config import ConfigError, TierCacheConfig
+from tiercache.layout import KVBlockLayout
+from tiercache.transfer import TransferEngine, TransferJobSpec
+
+from tiercache.connector.engine_info import ChunkGeometry
+from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class TierCacheWorker:
+    def __init__(self, config: TierCacheConfig, geometry: ChunkGeometry, num_blocks: int) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        self.engine: TransferEngine | None = None
+        self._loads: dict[int, TransferJobSpec] = {}
+        self._finished_recving: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._report = TierCacheWorkerMetadata()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = KVBlockLayout.from_kv_caches(kv_caches, self.num_blocks)
+        expected = self.geometry.engine.bytes_per_block
+        if layout.bytes_per_block != expected:
+            raise ConfigError(
+                f"tiercache: the KV tensors hold {layout.bytes_per_block} bytes per block, the "
+                f"KV-cache config says {expected}; unsupported KV layout"
+            )
+        self.engine = TransferEngine(
+            layout,
+            self.geometry.blocks_per_chunk,
+            self.geometry.host_slots,
+            faults=self.config.faults,
+        )
+        logger.info(
+            "tiercache worker: %d regions, %d B/block, host tier %d slots x %d B (%s)",
+            len(layout.regions),
+            layout.bytes_per_block,
+            self.geometry.host_slots,
+            self.geometry.slot_bytes,
+            "pinned" if self.engine.host.pinned else "pageable",
+        )
+
+    def _engine(self) -> TransferEngine:
+        if self.engine is None:
+            raise RuntimeError("tiercache: register_kv_caches was not called")
+        return self.engine
+
+    def handle_preemptions(self, meta: TierCacheConnectorMetadata) -> None:
+        if self.engine is not None:
+            self.engine.fence_stores()
+
+    def start_load_kv(self, meta: TierCacheConnectorMetadata) -> None:
+        engine = self._engine()
+        for spec in meta.loads:
+            self._loads[spec.job_id] = spec
+            engine.submit(spec)
+
+    def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
+        engine = self._engine()
+        for spec in meta.stores:
+            engine.submit(spec)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self.engine is not None:
+            self._absorb(self.engine.poll())
+        recving, self._finished_recving = self._finished_recving, set()
+        return set(), recving
+
+    def _absorb(self, results: list) -> None:
+        for res in results:
+            self._report.add(res.job_id, res.failed_keys, res.bytes, res.secs)
+            spec = self._loads.pop(res.job_id, None)
+            if spec is None:
+                continue
+            self._finished_recving.add(spec.req_id)
+            if res.failed_keys:
+                # vLLM recomputes from the first invalid block of the request on.
+                failed = set(res.failed_keys)
+                for key, seg in zip(spec.keys, spec.segments):
+                    if key in failed:
+                        self._invalid_blocks.update(seg.block_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def build_worker_meta(self) -> TierCacheWorkerMetadata | None:
+        if not self._report.done:
+            return None
+        report, self._report = self._report, TierCacheWorkerMetadata()
+        return report
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self._absorb(self.engine.wait_all())
+            self.engine.shutdown()
+            self.engine = None

@@ -1,0 +1,75 @@
+"""The backend contract every tier plugin implements (DESIGN.md section 5).
+
+A backend moves whole chunks between host memory it is handed (views into the
+engine's pinned slab, owned by the engine) and its medium. It never keeps a
+view after reporting the job that used it. Jobs are submitted without
+blocking and polled for completion; every job ends as exactly one
+:class:`JobResult`, failures included (a failure is data, not an exception).
+
+Threading: ``submit_*``, ``poll``, ``contains``, ``delete`` and ``close`` are
+called from one thread (the owner's); a backend may run its I/O on threads of
+its own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """How one job ended: which keys made it, which did not, bytes moved, seconds taken."""
+
+    job_id: int
+    ok_keys: tuple[bytes, ...]
+    failed_keys: tuple[bytes, ...]
+    bytes: int
+    secs: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_keys
+
+
+class BackendSettings(BaseModel):
+    """Base of every backend's settings model (a tier's ``options`` in YAML)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Backend(ABC):
+    """A storage medium for fixed-size chunks, addressed by key."""
+
+    name: ClassVar[str]
+    settings_model: ClassVar[type[BaseModel]] = BackendSettings
+
+    @abstractmethod
+    def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+        """Start writing ``views[i]`` under ``keys[i]``; report through :meth:`poll`."""
+
+    @abstractmethod
+    def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+        """Start reading ``keys[i]`` into ``views[i]``; report through :meth:`poll`."""
+
+    @abstractmethod
+    def poll(self) -> list[JobResult]:
+        """Results of jobs finished since the last call (never blocks)."""
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the medium holds (shared tiers only; local tiers are in the manager)."""
+        raise NotImplementedError(f"{self.name} is not a shared tier")
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> None: ...
+
+    def recover(self) -> Iterable[bytes]:
+        """Keys still valid after a restart (persistent media); none by default."""
+        return ()
+
+    @abstractmethod
+    def close(self) -> None: ...

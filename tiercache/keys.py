@@ -1,0 +1,112 @@
+"""Chunk keys: raw bytes naming one chunk of KV for one engine namespace.
+
+Layout (DESIGN.md section 2)::
+
+    namespace_digest (8 bytes) | prefix_hash (engine's chained block hash) | group_idx (4 bytes, big endian)
+
+The prefix hash is the engine's chained hash of the *last* block of the chunk,
+so it covers every token from the start of the sequence to the end of the
+chunk: equal keys mean equal prefixes. The namespace digest covers everything
+that makes two byte-identical hashes mean different KV (model, dtype, layout,
+block size, TP rank and size, bytes per chunk, hash algorithm, tenant salt), so
+two engines share chunks exactly when they could use each other's bytes.
+
+Keys are plain ``bytes``: cheap to hash, compare and ship, no tuple garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+NAMESPACE_DIGEST_BYTES = 8
+GROUP_IDX_BYTES = 4
+
+# Hash algorithms whose chained block hashes are equal across processes (with
+# vLLM's fixed default seed). Others are process-random unless PYTHONHASHSEED is set.
+_STABLE_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that decides whether two engines' KV bytes are interchangeable."""
+
+    model: str
+    kv_dtype: str
+    kv_layout: str
+    block_size: int
+    chunk_tokens: int
+    tp_size: int
+    bytes_per_chunk: int
+    hash_algo: str
+    tenant_salt: str = ""
+    process_nonce: str = ""
+
+    @property
+    def stable_across_processes(self) -> bool:
+        """True when another process computing the same tokens gets the same keys."""
+        return not self.process_nonce
+
+    def digest(self) -> bytes:
+        """The 8-byte namespace digest that prefixes every key."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(canonical, digest_size=NAMESPACE_DIGEST_BYTES).digest()
+
+    @staticmethod
+    def hash_algo_nonce(hash_algo: str) -> str:
+        """A per-process nonce when the engine's block hashes are process-random, else ''."""
+        if hash_algo in _STABLE_HASH_ALGOS or os.environ.get("PYTHONHASHSEED") is not None:
+            return ""
+        return os.urandom(8).hex()
+
+
+class KeySpace:
+    """Builds chunk keys for one namespace and one KV-cache group."""
+
+    __slots__ = ("namespace", "digest", "blocks_per_chunk", "_group_suffix")
+
+    def __init__(self, namespace: Namespace, blocks_per_chunk: int) -> None:
+        if blocks_per_chunk <= 0:
+            raise ValueError("blocks_per_chunk must be positive")
+        self.namespace = namespace
+        self.digest = namespace.digest()
+        self.blocks_per_chunk = blocks_per_chunk
+        self._group_suffix = [g.to_bytes(GROUP_IDX_BYTES, "big") for g in range(8)]
+
+    def chunk_key(self, last_block_hash: bytes, group_idx: int = 0) -> bytes:
+        suffix = (
+            self._group_suffix[group_idx]
+            if group_idx < len(self._group_suffix)
+            else group_idx.to_bytes(GROUP_IDX_BYTES, "big")
+        )
+        return self.digest + last_block_hash + suffix
+
+    def chunk_keys(
+        self, block_hashes: Sequence[bytes], start_chunk: int = 0, group_idx: int = 0
+    ) -> list[bytes]:
+        """Keys of every *full* chunk covered by ``block_hashes``, from ``start_chunk`` on."""
+        bpc = self.blocks_per_chunk
+        digest = self.digest
+        suffix = (
+            self._group_suffix[group_idx]
+            if group_idx < len(self._group_suffix)
+            else group_idx.to_bytes(GROUP_IDX_BYTES, "big")
+        )
+        num_chunks = len(block_hashes) // bpc
+        return [
+            digest + bytes(block_hashes[(i + 1) * bpc - 1]) + suffix
+            for i in range(start_chunk, num_chunks)
+        ]
+
+
+def split_key(key: bytes) -> tuple[bytes, bytes, int]:
+    """Return (namespace digest, prefix hash, group index) of a key."""
+    if len(key) < NAMESPACE_DIGEST_BYTES + GROUP_IDX_BYTES + 1:
+        raise ValueError(f"not a chunk key: {len(key)} bytes")
+    digest = key[:NAMESPACE_DIGEST_BYTES]
+    prefix_hash = key[NAMESPACE_DIGEST_BYTES:-GROUP_IDX_BYTES]
+    group = int.from_bytes(key[-GROUP_IDX_BYTES:], "big")
+    return digest, prefix_hash, group

@@ -1,0 +1,101 @@
+"""The TransferEngine: executes load and store jobs on the worker side; never decides.
+
+Input is :class:`TransferJobSpec` (built by the scheduler-side connector from
+the manager's plans); output is one :class:`~tiercache.backend.JobResult` per
+job, failures included. Submission never blocks; :meth:`poll` collects what has
+finished. The engine owns the host tier's slab and the device copier.
+
+Fault injection (``faults`` in the config, or ``TIERCACHE_FAULTS__FAIL_LOADS=1``)
+lives here, on the real path: ``fail_loads`` makes every load a failed job
+(vLLM must recompute), ``corrupt_loads`` zeroes the blocks a load wrote (the
+negative control of the correctness tests: the output must change).
+
+Threading: every method is called from the worker's main thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tiercache.backends.cpu import HostTier
+from tiercache.backend import JobResult
+from tiercache.config import FaultConfig
+from tiercache.device import BlockCopier, CopyJob, CopySegment, Direction, make_copier, zero_blocks
+from tiercache.layout import KVBlockLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferJobSpec:
+    """One job: ``keys[i]`` moves between host slot and engine blocks per ``segments[i]``."""
+
+    job_id: int
+    req_id: str
+    direction: Direction
+    keys: tuple[bytes, ...]
+    segments: tuple[CopySegment, ...]
+
+    def block_ids(self) -> list[int]:
+        return [b for seg in self.segments for b in seg.block_ids]
+
+
+class TransferEngine:
+    """Owns the host slab and the copier; turns job specs into copies and results."""
+
+    def __init__(
+        self,
+        layout: KVBlockLayout,
+        blocks_per_chunk: int,
+        num_slots: int,
+        faults: FaultConfig | None = None,
+        host: HostTier | None = None,
+    ) -> None:
+        self.layout = layout
+        self.blocks_per_chunk = blocks_per_chunk
+        self.host = host or HostTier(num_slots, layout.slot_bytes(blocks_per_chunk))
+        if self.host.slot_bytes != layout.slot_bytes(blocks_per_chunk):
+            raise ValueError(
+                f"host tier slot is {self.host.slot_bytes} bytes, the engine's chunk is "
+                f"{layout.slot_bytes(blocks_per_chunk)} bytes"
+            )
+        self.copier: BlockCopier = make_copier(layout, self.host.slab, blocks_per_chunk)
+        self.faults = faults or FaultConfig()
+        self._inflight: dict[int, TransferJobSpec] = {}
+        self._failed_now: list[JobResult] = []
+
+    def submit(self, spec: TransferJobSpec) -> None:
+        """Start a job; its result arrives through :meth:`poll`."""
+        if spec.direction == "load" and self.faults.fail_loads:
+            self._failed_now.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
+            return
+        self._inflight[spec.job_id] = spec
+        self.copier.submit(CopyJob(spec.job_id, spec.direction, spec.segments))
+
+    def fence_stores(self) -> None:
+        """Block reuse barrier: call before a forward pass may overwrite engine blocks."""
+        self.copier.fence_stores()
+
+    def poll(self) -> list[JobResult]:
+        return self._collect(self.copier.poll())
+
+    def wait_all(self) -> list[JobResult]:
+        return self._collect(self.copier.wait_all())
+
+    def _collect(self, finished: list) -> list[JobResult]:
+        results, self._failed_now = self._failed_now, []
+        for done in finished:
+            spec = self._inflight.pop(done.job_id)
+            if not done.ok:
+                logger.warning("tiercache %s job %d failed: %s", spec.direction, spec.job_id, done.error)
+                results.append(JobResult(spec.job_id, (), spec.keys, 0, done.secs))
+                continue
+            if spec.direction == "load" and self.faults.corrupt_loads:
+                zero_blocks(self.layout, spec.block_ids())
+            results.append(JobResult(spec.job_id, spec.keys, (), done.bytes, done.secs))
+        return results
+
+    def shutdown(self) -> None:
+        self.copier.close()
+        self.host.close()
