@@ -1,0 +1,45 @@
+"""Shared fixtures for end-to-end tests: the random-weight models and free ports.
+
+Every engine runs in a subprocess (tiercache.testing.engine_runner) with a
+timeout; nothing here imports vLLM into the pytest process.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import socket
+
+import pytest
+
+from tiercache.testing.random_llama import make_model_dir
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/e2e/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_root: pathlib.Path) -> pathlib.Path:
+    return make_model_dir("tiny", models_root)
+
+
+def free_port() -> int:
+    """A free TCP port below the ephemeral range (vLLM's own ZMQ sockets live there)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 30000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-30000")

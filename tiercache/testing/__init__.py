@@ -1,0 +1,9 @@
+"""Test kit shipped with tiercache.
+
+* ``random_llama``: small Llama checkpoints with context-sensitive random
+  weights (vLLM's dummy weights hide wrong KV; these do not);
+* ``engine_runner``: runs a real vLLM engine over a JSON spec in a subprocess
+  with a timeout, for end-to-end tests, benchmarks and the demo.
+
+The backend conformance suite joins them with the disk/LMDB tiers.
+"""

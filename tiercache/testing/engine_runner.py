@@ -1,0 +1,367 @@
+"""Runs a real vLLM engine from a JSON spec, in a subprocess, for end-to-end tests.
+
+The module is both:
+
+- a script, ``python -m tiercache.testing.engine_runner --spec spec.json --out result.json``,
+  which sets the environment, imports vLLM, builds one ``vllm.LLM``, runs every
+  round of the spec in order, and writes the result as JSON; and
+- a library for pytest: ``run_engine(spec)`` runs that script in a fresh process
+  group (vLLM spawns worker processes and keeps global state, so engines never
+  run inside the pytest process), enforces a timeout, and returns the result.
+  ``random_prompts(...)`` builds token-id prompts.
+
+Spec (JSON object; only ``model_dir`` and ``rounds`` are required)::
+
+    model_dir                str    checkpoint directory (see model_factory.make_model_dir)
+    dtype                    str    default "float32"
+    block_size               int    multiple of 32, default 32
+    max_model_len            int    default 4096
+    num_gpu_blocks_override  int    optional: shrink the engine's own KV cache
+    max_num_batched_tokens   int    optional: small values force chunked prefill
+    max_num_seqs             int    optional
+    enable_prefix_caching    bool   default true
+    kv_transfer_config       dict   or null; passed as KVTransferConfig(**dict)
+    seed                     int    default 0
+    log_stats                bool   default true (needed for per-request ttft and get_metrics)
+    llm_kwargs               dict   optional extra keyword arguments for vllm.LLM
+    tiercache_metrics_url    str    optional: scrape tiercache_* samples from this URL after each round
+    env                      dict   env vars set before importing vLLM (override the defaults
+                                    VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND=0)
+    rounds                   list   of rounds, run in order on the same engine:
+      {"prompts": [[ids], ...], "max_tokens": int,
+       "reset_prefix_cache_before": bool = false,   # LLM.reset_prefix_cache() first
+       "reset_connector": bool = false,             # ... with reset_connector=True
+       "warmup": bool = false}                      # only recorded, for consumers
+      or {"conversation": {"first_prompt": [ids], "turns": N,
+                           "user_tokens_per_turn": [[ids], ...],  # >= N-1 entries
+                           "max_tokens": int,
+                           "reset_prefix_cache_between_turns": bool = false},
+          "reset_prefix_cache_before": ..., "reset_connector": ..., "warmup": ...}
+      (turn i > 0 sends prompt(i-1) + output(i-1) + user_tokens_per_turn[i-1]).
+
+Result (JSON object)::
+
+    vllm_version, engine_start_s, total_s,
+    rounds: [{index, kind ("prompts" | "conversation"), warmup, reset_prefix_cache_before,
+              wall_s, turn_wall_s (conversation only),
+              requests: [{prompt_len, output_token_ids, num_cached_tokens,
+                          ttft_s, queued_s, prefill_s,   # null when vLLM gives no metrics
+                          prompt_token_ids (conversation only)}],
+              metrics: {name[{labels}]: value} | {"error": str}}]
+
+``metrics`` holds the cumulative ``LLM.get_metrics()`` entries whose name mentions
+the KV connector, the prefix cache, external hits or cached prompt tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT_ENV: dict[str, str] = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+}
+METRIC_NAME_PARTS = (
+    "kv_connector", "prefix_cache", "external", "prompt_tokens_cached", "num_preemptions"
+)
+IGNORED_METRIC_LABELS = ("model_name", "engine")
+LOG_TAIL_CHARS = 4000
+
+
+# --------------------------------------------------------------------------- library
+
+
+def random_prompts(
+    n: int,
+    length: int,
+    vocab: int = 1024,
+    seed: int = 0,
+    shared_prefix: list[int] | None = None,
+) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids in [3, vocab-1], optionally after a shared prefix.
+
+    ``length`` counts the random part only; ids 0-2 (pad/bos/eos) are never drawn.
+    """
+    rng = random.Random(seed)
+    prefix = list(shared_prefix or [])
+    return [prefix + [rng.randint(3, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def _subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    parts = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _log_tail(log_path: pathlib.Path) -> str:
+    try:
+        return log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError as exc:
+        return f"<no log: {exc}>"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the runner's process group (engine core and workers included)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_engine(
+    spec: dict[str, Any],
+    timeout_s: float = 600,
+    workdir: pathlib.Path | None = None,
+) -> dict[str, Any]:
+    """Run one engine over ``spec`` in a subprocess and return the parsed result.
+
+    Raises RuntimeError (with the last 4000 characters of the log) when the
+    process fails, times out, or writes no result. ``workdir`` keeps the spec,
+    result and ``engine.log`` there instead of a temporary directory.
+    """
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="tiercache-e2e-") as tmp:
+            return _run_in(spec, timeout_s, pathlib.Path(tmp))
+    workdir.mkdir(parents=True, exist_ok=True)
+    return _run_in(spec, timeout_s, workdir)
+
+
+def _run_in(spec: dict[str, Any], timeout_s: float, workdir: pathlib.Path) -> dict[str, Any]:
+    spec_path, out_path, log_path = (
+        workdir / "spec.json", workdir / "result.json", workdir / "engine.log")
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "tiercache.testing.engine_runner",
+           "--spec", str(spec_path), "--out", str(out_path)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_subprocess_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.wait()
+            raise RuntimeError(
+                f"engine runner timed out after {timeout_s:.0f}s; log tail:\n{_log_tail(log_path)}"
+            ) from None
+        finally:
+            _kill_group(proc)  # reap any engine process left behind
+    if rc != 0 or not out_path.is_file():
+        raise RuntimeError(f"engine runner failed (rc={rc}); log tail:\n{_log_tail(log_path)}")
+    return json.loads(out_path.read_text())
+
+
+# --------------------------------------------------------------------------- script
+
+
+def apply_env(spec: dict[str, Any]) -> None:
+    for key, value in DEFAULT_ENV.items():
+        os.environ.setdefault(key, value)
+    for key, value in (spec.get("env") or {}).items():
+        os.environ[str(key)] = str(value)
+
+
+def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    block_size = int(spec.get("block_size", 32))
+    if block_size % 32:
+        raise ValueError(f"block_size must be a multiple of 32 on CPU, got {block_size}")
+    kwargs: dict[str, Any] = {
+        "model": spec["model_dir"],
+        "skip_tokenizer_init": True,
+        "dtype": spec.get("dtype", "float32"),
+        "block_size": block_size,
+        "max_model_len": int(spec.get("max_model_len", 4096)),
+        "enforce_eager": True,
+        "seed": int(spec.get("seed", 0)),
+        "enable_prefix_caching": bool(spec.get("enable_prefix_caching", True)),
+        "disable_log_stats": not bool(spec.get("log_stats", True)),
+    }
+    for key in ("num_gpu_blocks_override", "max_num_batched_tokens", "max_num_seqs"):
+        if spec.get(key) is not None:
+            kwargs[key] = int(spec[key])
+    if spec.get("kv_transfer_config"):
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    kwargs.update(spec.get("llm_kwargs") or {})
+    return kwargs
+
+
+def _timing(metrics: Any) -> dict[str, float | None]:
+    """Per-request timings from RequestOutput.metrics (RequestStateStats in vLLM 0.32)."""
+    def get(name: str) -> float | None:
+        value = getattr(metrics, name, None)
+        return float(value) if value else None
+
+    first, sched, queued = get("first_token_ts"), get("scheduled_ts"), get("queued_ts")
+    return {
+        "ttft_s": get("first_token_latency"),
+        "queued_s": sched - queued if sched and queued else None,
+        "prefill_s": first - sched if first and sched else None,
+    }
+
+
+def request_record(output: Any, with_prompt: bool) -> dict[str, Any]:
+    prompt = list(output.prompt_token_ids or [])
+    record: dict[str, Any] = {
+        "prompt_len": len(prompt),
+        "output_token_ids": list(output.outputs[0].token_ids),
+        "num_cached_tokens": output.num_cached_tokens,
+        **_timing(output.metrics),
+    }
+    if with_prompt:
+        record["prompt_token_ids"] = prompt
+    return record
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True,
+                            detokenize=False)
+    batch = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    return llm.generate(batch, params, use_tqdm=False)
+
+
+def _run_prompts(llm: Any, rnd: dict[str, Any]) -> dict[str, Any]:
+    start = time.perf_counter()
+    outputs = generate(llm, rnd["prompts"], rnd["max_tokens"])
+    wall = time.perf_counter() - start
+    return {"kind": "prompts", "wall_s": wall,
+            "requests": [request_record(o, with_prompt=False) for o in outputs]}
+
+
+def _run_conversation(llm: Any, conv: dict[str, Any]) -> dict[str, Any]:
+    turns = int(conv["turns"])
+    user_tokens = conv.get("user_tokens_per_turn") or []
+    if len(user_tokens) < turns - 1:
+        raise ValueError(f"conversation needs >= {turns - 1} user_tokens_per_turn entries")
+    prompt = list(conv["first_prompt"])
+    records: list[dict[str, Any]] = []
+    turn_walls: list[float] = []
+    reset_between = bool(conv.get("reset_prefix_cache_between_turns", False))
+    for turn in range(turns):
+        if turn:
+            prompt = prompt + records[-1]["output_token_ids"] + list(user_tokens[turn - 1])
+            if reset_between and not llm.reset_prefix_cache():
+                raise RuntimeError(f"conversation turn {turn}: reset_prefix_cache() returned False")
+        start = time.perf_counter()
+        (output,) = generate(llm, [prompt], conv["max_tokens"])
+        turn_walls.append(time.perf_counter() - start)
+        records.append(request_record(output, with_prompt=True))
+    return {"kind": "conversation", "wall_s": sum(turn_walls), "turn_wall_s": turn_walls,
+            "requests": records}
+
+
+def _metric_value(metric: Any) -> Any:
+    if hasattr(metric, "values"):
+        return list(metric.values)
+    if hasattr(metric, "buckets"):
+        return {"count": metric.count, "sum": metric.sum}
+    return getattr(metric, "value", None)
+
+
+def _metric_key(metric: Any) -> str:
+    labels = {k: v for k, v in (getattr(metric, "labels", None) or {}).items()
+              if k not in IGNORED_METRIC_LABELS}
+    if not labels:
+        return metric.name
+    return metric.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+
+
+def _cache_metrics(llm: Any) -> dict[str, Any]:
+    """Best-effort snapshot of the connector / prefix-cache metrics."""
+    try:
+        return {
+            _metric_key(m): _metric_value(m)
+            for m in llm.get_metrics()
+            if any(part in m.name for part in METRIC_NAME_PARTS)
+        }
+    except Exception as exc:  # noqa: BLE001 - metrics are optional diagnostics
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def scrape_tiercache_metrics(url: str | None) -> dict[str, float]:
+    """tiercache_* samples from a Prometheus /metrics URL (the connector's own port)."""
+    if not url:
+        return {}
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError as exc:
+        return {"error": str(exc)}  # type: ignore[dict-item]
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tiercache_") and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _run_round(llm: Any, index: int, rnd: dict[str, Any], metrics_url: str | None = None) -> dict[str, Any]:
+    reset = bool(rnd.get("reset_prefix_cache_before", False))
+    if reset:
+        reset_connector = bool(rnd.get("reset_connector", False))
+        if not llm.reset_prefix_cache(reset_connector=reset_connector):
+            raise RuntimeError(f"round {index}: reset_prefix_cache() returned False")
+    if "conversation" in rnd:
+        result = _run_conversation(llm, rnd["conversation"])
+    else:
+        result = _run_prompts(llm, rnd)
+    result.update(index=index, warmup=bool(rnd.get("warmup", False)),
+                  reset_prefix_cache_before=reset, metrics=_cache_metrics(llm),
+                  tiercache_metrics=scrape_tiercache_metrics(metrics_url))
+    return result
+
+
+def _write_json_atomic(path: pathlib.Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the engine and run every round (in this process; call from the script)."""
+    apply_env(spec)
+    import vllm
+
+    t0 = time.perf_counter()
+    llm = vllm.LLM(**llm_kwargs(spec))
+    engine_start = time.perf_counter() - t0
+    url = spec.get("tiercache_metrics_url")
+    rounds = [_run_round(llm, i, rnd, url) for i, rnd in enumerate(spec["rounds"])]
+    return {"vllm_version": vllm.__version__, "engine_start_s": engine_start,
+            "total_s": time.perf_counter() - t0, "rounds": rounds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Script entry point: run the spec, write the result."""
+    parser = argparse.ArgumentParser(description="Run a vLLM engine over a JSON spec.")
+    parser.add_argument("--spec", type=pathlib.Path, required=True)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args(argv)
+    result = run_spec(json.loads(args.spec.read_text()))
+    _write_json_atomic(args.out, result)
+    print(f"[engine_runner] wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
