@@ -21,6 +21,9 @@ from tiercache.transfer import TransferJobSpec
 class TierCacheConnectorMetadata(KVConnectorMetadata):
     loads: list[TransferJobSpec] = field(default_factory=list)
     stores: list[TransferJobSpec] = field(default_factory=list)
+    # sync: the loads must be complete before this step's forward pass reads them;
+    # async: their requests wait off the batch until get_finished reports them.
+    loads_are_sync: bool = False
 
 
 @dataclass

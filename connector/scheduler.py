@@ -73,6 +73,7 @@ class TierCacheScheduler:
             geometry.host_slots * geometry.slot_bytes
         )
         self._world_size = geometry.engine.world_size
+        self._async_loads = config.load_mode == "async"
         self._reqs: dict[str, _RequestState] = {}
         self._jobs: dict[int, _JobRecord] = {}
         self._next_job_id = 0
@@ -109,6 +110,11 @@ class TierCacheScheduler:
         if not keys:
             return 0, False
         hits = self.manager.lookup(keys) or 0
+        local_chunks = min(hits, num_computed_tokens // self.chunk_tokens)
+        if local_chunks:
+            # The engine's own cache serves these: keep our copies warm too, so they
+            # outlive the engine's copy (it evicts under pressure first).
+            self.manager.touch(keys[:local_chunks])
         # vLLM must compute at least the last prompt token itself.
         loadable = ((request.num_tokens - 1) // self.block_size) * self.block_size
         hit_tokens = min(hits * self.chunk_tokens, loadable)
@@ -117,7 +123,7 @@ class TierCacheScheduler:
         st = self._state(request)
         st.lookup_local_tokens = num_computed_tokens
         st.lookup_hit_tokens = hit_tokens
-        return hit_tokens - num_computed_tokens, True
+        return hit_tokens - num_computed_tokens, self._async_loads
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -167,7 +173,9 @@ class TierCacheScheduler:
                 st.next_store_chunk = 0  # re-offer on resume; present chunks are skipped
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
-        meta = TierCacheConnectorMetadata(loads=self._step_loads, stores=stores)
+        meta = TierCacheConnectorMetadata(
+            loads=self._step_loads, stores=stores, loads_are_sync=not self._async_loads
+        )
         self._step_loads = []
         self._sync_tier_metrics()
         return meta
@@ -225,6 +233,10 @@ class TierCacheScheduler:
             self._count(f"failed_{rec.direction}_chunks", len(rec.failed))
         if rec.direction == "load":
             self.manager.complete_load(rec.keys)
+            if rec.failed:
+                # A chunk that failed to load is dropped, so the recompute that vLLM now
+                # schedules does not look it up and fail on it again (a livelock).
+                self.manager.discard(list(rec.failed))
             return
         ok = [k for k in rec.keys if k not in rec.failed]
         self.manager.complete_store(ok, ok=True)

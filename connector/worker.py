@@ -5,8 +5,9 @@ Runs in each vLLM worker process, on its main thread. Per step (see vLLM's
 
 1. ``handle_preemptions`` (before the forward pass): fence earlier stores, so
    no block the forward pass may overwrite is still being read by a store;
-2. ``start_load_kv``: submit the step's loads (async; vLLM holds the requests
-   until ``get_finished`` reports them);
+2. ``start_load_kv``: submit the step's loads. Sync mode (default): vLLM calls
+   it before the forward pass and it returns once the blocks hold their KV.
+   Async mode: vLLM holds the requests until ``get_finished`` reports them;
 3. ``wait_for_save`` (after the forward pass): submit the step's stores;
 4. ``get_finished`` / ``get_block_ids_with_load_errors`` /
    ``build_worker_meta``: report finished loads, failed blocks (vLLM
@@ -36,6 +37,7 @@ class TierCacheWorker:
         self.num_blocks = num_blocks
         self.engine: TransferEngine | None = None
         self._loads: dict[int, TransferJobSpec] = {}
+        self._sync_jobs: set[int] = set()
         self._finished_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._report = TierCacheWorkerMetadata()
@@ -77,6 +79,13 @@ class TierCacheWorker:
         for spec in meta.loads:
             self._loads[spec.job_id] = spec
             engine.submit(spec)
+        if meta.loads and meta.loads_are_sync:
+            # vLLM calls this before the forward pass when a step has sync loads; the
+            # blocks must hold their KV before attention reads them. Earlier stores were
+            # already fenced in handle_preemptions, so this waits for the loads only.
+            for spec in meta.loads:
+                self._sync_jobs.add(spec.job_id)
+            self._absorb(engine.wait_all())
 
     def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
         engine = self._engine()
@@ -95,7 +104,10 @@ class TierCacheWorker:
             spec = self._loads.pop(res.job_id, None)
             if spec is None:
                 continue
-            self._finished_recving.add(spec.req_id)
+            if res.job_id in self._sync_jobs:
+                self._sync_jobs.discard(res.job_id)  # its request is running: no recv report
+            else:
+                self._finished_recving.add(spec.req_id)
             if res.failed_keys:
                 # vLLM recomputes from the first invalid block of the request on.
                 failed = set(res.failed_keys)

@@ -22,7 +22,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 
-stamp="$venv/.tiercache-setup-$(cat "$here/pyproject.toml" "$0" | sha1sum | cut -c1-12)"
+stamp="$venv/.tiercache-setup-$( (echo "$here"; cat "$here/pyproject.toml" "$0") | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing torch==2.13.0 (CPU build) first"
   "${pip[@]}" "torch==2.13.0"

@@ -105,6 +105,12 @@ class TierCacheConfig(BaseSettings):
         default="recompute",
         description="What vLLM does with a failed load: recompute the blocks, or fail the request.",
     )
+    load_mode: Literal["sync", "async"] = Field(
+        default="sync",
+        description="sync: a hit is loaded right before the forward pass that needs it (lowest "
+        "time-to-first-token); async: the request waits off the batch until its load is done "
+        "(other requests keep running meanwhile).",
+    )
     copy_threads: int = Field(
         default=1, ge=1, le=16, description="Host-side copy threads on the CPU platform."
     )

@@ -12,12 +12,16 @@ Life of a key in a policy::
                      the manager does not mutate the policy while iterating)
     evicted(key)     the manager evicted key (ARC remembers it as a ghost)
     remove(key)      key left the tier for another reason (deleted, reset)
+
+``insert_many``/``access_many``/``evicted_many`` are the same calls for a batch,
+in order; the manager uses them (one call per plan, not per key), policies
+override them when a batch can be done cheaper than its keys one by one.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 
 class EvictionPolicy(ABC):
@@ -53,3 +57,18 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def clear(self) -> None: ...
+
+    def insert_many(self, keys: Iterable[bytes]) -> None:
+        """``insert`` each key, in order."""
+        for key in keys:
+            self.insert(key)
+
+    def access_many(self, keys: Iterable[bytes]) -> None:
+        """``access`` each key, in order."""
+        for key in keys:
+            self.access(key)
+
+    def evicted_many(self, keys: Iterable[bytes]) -> None:
+        """``evicted`` each key, in order."""
+        for key in keys:
+            self.evicted(key)

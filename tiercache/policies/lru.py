@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from tiercache.policies.base import EvictionPolicy
 
@@ -33,6 +33,25 @@ class LRUPolicy(EvictionPolicy):
 
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)
+
+    def insert_many(self, keys: Iterable[bytes]) -> None:
+        order = self._order
+        pop = order.pop
+        for key in keys:
+            pop(key, None)
+            order[key] = None
+
+    def access_many(self, keys: Iterable[bytes]) -> None:
+        order = self._order
+        pop = order.pop
+        for key in keys:
+            if pop(key, 0) is None:
+                order[key] = None
+
+    def evicted_many(self, keys: Iterable[bytes]) -> None:
+        order = self._order
+        for key in keys:
+            del order[key]
 
     def __len__(self) -> int:
         return len(self._order)

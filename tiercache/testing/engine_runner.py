@@ -31,7 +31,8 @@ Spec (JSON object; only ``model_dir`` and ``rounds`` are required)::
       {"prompts": [[ids], ...], "max_tokens": int,
        "reset_prefix_cache_before": bool = false,   # LLM.reset_prefix_cache() first
        "reset_connector": bool = false,             # ... with reset_connector=True
-       "warmup": bool = false}                      # only recorded, for consumers
+       "warmup": bool = false,                      # only recorded, for consumers
+       "sequential": bool = false}                  # one request at a time (clean TTFT)
       or {"conversation": {"first_prompt": [ids], "turns": N,
                            "user_tokens_per_turn": [[ids], ...],  # >= N-1 entries
                            "max_tokens": int,
@@ -240,10 +241,14 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> lis
 
 def _run_prompts(llm: Any, rnd: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
-    outputs = generate(llm, rnd["prompts"], rnd["max_tokens"])
+    if rnd.get("sequential"):
+        # One request at a time: time-to-first-token is then prefill time, not queueing.
+        outputs = [generate(llm, [p], rnd["max_tokens"])[0] for p in rnd["prompts"]]
+    else:
+        outputs = generate(llm, rnd["prompts"], rnd["max_tokens"])
     wall = time.perf_counter() - start
-    return {"kind": "prompts", "wall_s": wall,
-            "requests": [request_record(o, with_prompt=False) for o in outputs]}
+    records = [request_record(o, with_prompt=False) for o in outputs]
+    return {"kind": "prompts", "wall_s": wall, "requests": records}
 
 
 def _run_conversation(llm: Any, conv: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,785 @@
+"""Unit tests of the scheduler-side OffloadingManager (tiercache/manager.py).
+
+Every state transition of a chunk in a tier is exercised with both eviction
+policies: absent -> STORING (prepare_store) -> READY (complete_store ok) or
+absent again (complete_store failed); READY -> pinned (prepare_load) -> READY
+(complete_load); READY -> absent (eviction, reset). A hypothesis state machine
+then drives random operation sequences against a small model of the expected
+directory and checks the invariants listed in manager.py's docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tiercache.events import ChunkEvent, EventKind
+from tiercache.manager import ChunkState, OffloadingManager, TierSpec
+from tiercache.plans import LoadPlan, StorePlan
+from tiercache.policies import POLICIES
+
+NAMESPACE = b"\x01" * 8
+GROUP = (0).to_bytes(4, "big")
+HOST = "host"
+
+
+def prefix_hash(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32).digest()
+
+
+def key(i: int) -> bytes:
+    """A well-formed 44-byte chunk key: namespace digest | prefix hash | group."""
+    return NAMESPACE + prefix_hash(i) + GROUP
+
+
+def ks(*ids: int) -> list[bytes]:
+    return [key(i) for i in ids]
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def manager(policy: str, slots: int) -> OffloadingManager:
+    return OffloadingManager([TierSpec(HOST, slots, policy)])
+
+
+def store(m: OffloadingManager, keys: list[bytes], ok: bool = True) -> StorePlan | None:
+    """prepare_store + complete_store of whatever was planned."""
+    plan = m.prepare_store(keys)
+    if plan is not None:
+        m.complete_store(list(plan.keys), ok=ok)
+    return plan
+
+
+def state(m: OffloadingManager, k: bytes) -> ChunkState | None:
+    found = m.state_of(k)
+    return None if found is None else found[0]
+
+
+def pins(m: OffloadingManager, k: bytes) -> int:
+    found = m.state_of(k)
+    assert found is not None
+    return found[2]
+
+
+def used(m: OffloadingManager) -> int:
+    return m.usage()[HOST][0]
+
+
+def removed_keys(events: list[ChunkEvent]) -> list[bytes]:
+    return [k for e in events if e.kind is EventKind.REMOVED for k in e.keys]
+
+
+# ------------------------------------------------------------------------ construction
+def test_constructor_validates_tiers() -> None:
+    with pytest.raises(ValueError):
+        OffloadingManager([])
+    with pytest.raises(ValueError):
+        OffloadingManager([TierSpec("a", 1), TierSpec("a", 2)])
+    with pytest.raises(ValueError):
+        OffloadingManager([TierSpec("a", -1)])
+    with pytest.raises(ValueError, match="lru"):
+        OffloadingManager([TierSpec("a", 1, "fifo")])
+
+
+def test_new_manager_is_empty(policy: str) -> None:
+    m = manager(policy, 4)
+    assert m.usage() == {HOST: (0, 4)}
+    assert m.take_events() == []
+    stats = m.stats()
+    assert (stats.lookups, stats.lookup_chunks, stats.lookup_hit_chunks) == (0, 0, 0)
+    assert set(stats.tiers[HOST].as_dict().values()) == {0}
+
+
+# ----------------------------------------------------------------------------- lookup
+def test_lookup_on_empty_manager(policy: str) -> None:
+    m = manager(policy, 4)
+    assert m.lookup([]) == 0
+    assert m.lookup(ks(0, 1, 2)) == 0
+
+
+def test_lookup_counts_longest_ready_prefix(policy: str) -> None:
+    m = manager(policy, 8)
+    store(m, ks(0, 1, 2))
+    assert m.lookup(ks(0, 1, 2)) == 3  # full
+    assert m.lookup(ks(0, 1, 2, 3, 4)) == 3  # partial
+    assert m.lookup(ks(0, 3, 1)) == 1  # stops at the first miss
+    assert m.lookup(ks(5, 0, 1)) == 0  # leading miss
+    assert m.lookup(ks(2, 1)) == 2  # order of the prefix is the caller's
+
+
+def test_lookup_has_no_side_effects_on_order(policy: str) -> None:
+    m = manager(policy, 2)
+    store(m, ks(0))
+    store(m, ks(1))
+    m.lookup(ks(0))  # a lookup is not an access
+    plan = store(m, ks(2))
+    assert plan is not None and plan.evicted == (key(0),)
+
+
+# ------------------------------------------------------------------------------ store
+def test_prepare_store_then_complete_ok_makes_ready(policy: str) -> None:
+    m = manager(policy, 4)
+    plan = m.prepare_store(ks(0, 1))
+    assert plan is not None
+    assert plan.tier == HOST and plan.keys == tuple(ks(0, 1))
+    assert len(set(plan.slots)) == 2 and all(0 <= s < 4 for s in plan.slots)
+    assert plan.evicted == () and plan.skipped_present == 0
+    for k, slot in zip(plan.keys, plan.slots):
+        assert m.state_of(k) == (ChunkState.STORING, slot, 0)
+    assert m.lookup(ks(0, 1)) == 0  # STORING is a miss
+    assert used(m) == 2
+
+    m.complete_store(ks(0, 1), ok=True)
+    for k, slot in zip(plan.keys, plan.slots):
+        assert m.state_of(k) == (ChunkState.READY, slot, 0)
+    assert m.lookup(ks(0, 1)) == 2
+    assert m.stats().tiers[HOST].stored_chunks == 2
+
+
+def test_failed_store_leaves_no_trace(policy: str) -> None:
+    m = manager(policy, 2)
+    plan = m.prepare_store(ks(0, 1))
+    assert plan is not None
+    m.take_events()
+    m.complete_store(ks(0, 1), ok=False)
+    assert m.state_of(key(0)) is None and m.state_of(key(1)) is None
+    assert m.lookup(ks(0)) == 0
+    assert used(m) == 0
+    assert m.take_events() == []  # nothing was ever stored
+    tier = m.stats().tiers[HOST]
+    assert (tier.store_failures, tier.stored_chunks, tier.evictions) == (2, 0, 0)
+    # Both slots are free again: a full-size store fits without evicting.
+    again = m.prepare_store(ks(2, 3))
+    assert again is not None and again.evicted == ()
+    assert sorted(again.slots) == sorted(plan.slots)
+
+
+def test_partly_failed_store(policy: str) -> None:
+    m = manager(policy, 4)
+    m.prepare_store(ks(0, 1, 2))
+    m.complete_store(ks(0, 2), ok=True)
+    m.complete_store(ks(1), ok=False)
+    assert m.lookup(ks(0, 1, 2)) == 1
+    assert state(m, key(2)) is ChunkState.READY and state(m, key(1)) is None
+    assert used(m) == 2
+
+
+def test_complete_store_ignores_unknown_and_ready_keys(policy: str) -> None:
+    m = manager(policy, 4)
+    m.complete_store(ks(9), ok=True)
+    m.complete_store(ks(9), ok=False)
+    store(m, ks(0))
+    m.take_events()
+    m.complete_store(ks(0), ok=True)  # already READY: no double count, no event
+    m.complete_store(ks(0), ok=False)  # a READY chunk is not dropped by a late failure
+    assert state(m, key(0)) is ChunkState.READY
+    tier = m.stats().tiers[HOST]
+    assert (tier.stored_chunks, tier.store_failures) == (1, 0)
+    assert m.take_events() == [] and used(m) == 1
+
+
+def test_storing_keys_are_never_evicted(policy: str) -> None:
+    m = manager(policy, 2)
+    assert m.prepare_store(ks(0, 1)) is not None  # both STORING, tier full
+    assert m.prepare_store(ks(2)) is None
+    assert state(m, key(0)) is ChunkState.STORING and state(m, key(1)) is ChunkState.STORING
+    assert m.stats().tiers[HOST].store_refused == 1
+    m.complete_store(ks(0, 1))
+    plan = m.prepare_store(ks(2))
+    # A chain's tail goes first: its head is what every later chunk depends on.
+    assert plan is not None and plan.evicted == (key(1),)
+
+
+def test_storing_key_skipped_when_mixed_with_ready(policy: str) -> None:
+    m = manager(policy, 2)
+    store(m, ks(0))
+    m.prepare_store(ks(1))  # STORING
+    plan = m.prepare_store(ks(2, 3))
+    assert plan is not None
+    assert plan.keys == (key(2),) and plan.evicted == (key(0),)
+    assert state(m, key(1)) is ChunkState.STORING
+    assert m.stats().tiers[HOST].store_refused == 1
+
+
+def test_partial_plan_covers_a_leading_part(policy: str) -> None:
+    m = manager(policy, 3)
+    store(m, ks(0, 1))
+    m.prepare_load(ks(0))  # pinned
+    plan = m.prepare_store(ks(5, 6, 7))
+    assert plan is not None
+    assert plan.keys == (key(5), key(6))  # a prefix of what was missing
+    assert plan.evicted == (key(1),)
+    assert len(set(plan.slots)) == 2
+    assert m.stats().tiers[HOST].store_refused == 1
+    assert state(m, key(7)) is None
+    assert used(m) == 3
+
+
+def test_full_tier_of_pinned_and_storing_refuses(policy: str) -> None:
+    m = manager(policy, 3)
+    store(m, ks(0, 1))
+    m.prepare_load(ks(0, 1))
+    m.prepare_store(ks(2))  # STORING
+    m.take_events()
+    assert m.prepare_store(ks(3, 4)) is None  # never raises
+    assert m.stats().tiers[HOST].store_refused == 2
+    assert m.stats().tiers[HOST].evictions == 0
+    assert m.take_events() == []
+    assert used(m) == 3
+    assert [state(m, k) for k in ks(0, 1, 2)] == [
+        ChunkState.READY,
+        ChunkState.READY,
+        ChunkState.STORING,
+    ]
+
+
+def test_zero_slot_tier_refuses_everything(policy: str) -> None:
+    m = manager(policy, 0)
+    assert m.prepare_store(ks(0, 1)) is None
+    assert m.stats().tiers[HOST].store_refused == 2
+    assert m.usage() == {HOST: (0, 0)}
+
+
+def test_duplicate_keys_in_one_prepare_store(policy: str) -> None:
+    m = manager(policy, 4)
+    plan = m.prepare_store(ks(0, 1, 0, 1, 2))
+    assert plan is not None
+    assert plan.keys == tuple(ks(0, 1, 2))
+    assert len(set(plan.slots)) == 3
+    assert used(m) == 3
+
+
+def test_present_keys_are_skipped_and_touched(policy: str) -> None:
+    m = manager(policy, 3)
+    store(m, ks(0))
+    store(m, ks(1))
+    store(m, ks(2))
+    plan = m.prepare_store(ks(0, 3))
+    assert plan is not None
+    assert plan.keys == (key(3),) and plan.skipped_present == 1
+    assert plan.evicted == (key(1),)  # key 0 was touched by the store offer
+    assert state(m, key(0)) is ChunkState.READY
+
+
+def test_all_present_returns_none(policy: str) -> None:
+    m = manager(policy, 3)
+    store(m, ks(0, 1))
+    assert m.prepare_store(ks(0, 1)) is None
+    assert m.prepare_store([]) is None
+    assert m.stats().tiers[HOST].store_refused == 0
+
+
+def test_store_never_evicts_a_key_of_its_own_offer(policy: str) -> None:
+    """Evicting key 1 to store key 2 would break the prefix [1, 2] it belongs to."""
+    m = manager(policy, 2)
+    store(m, ks(0, 1))
+    m.prepare_load(ks(0))  # the only other candidate is pinned
+    assert m.prepare_store(ks(1, 2)) is None
+    assert state(m, key(1)) is ChunkState.READY
+    assert m.stats().tiers[HOST].store_refused == 1
+
+
+def test_slots_are_reused_after_eviction(policy: str) -> None:
+    m = manager(policy, 2)
+    first = store(m, ks(0, 1))
+    second = store(m, ks(2, 3))
+    assert first is not None and second is not None
+    assert sorted(second.slots) == sorted(first.slots)
+    assert set(second.evicted) == set(ks(0, 1))
+
+
+# ------------------------------------------------------------------------------- load
+def test_prepare_load_pins_and_returns_plan(policy: str) -> None:
+    m = manager(policy, 4)
+    stored = store(m, ks(0, 1))
+    assert stored is not None
+    plan = m.prepare_load(ks(0, 1))
+    assert isinstance(plan, LoadPlan)
+    assert plan.keys == tuple(ks(0, 1)) and plan.tiers == (HOST, HOST)
+    assert plan.slots == stored.slots
+    assert pins(m, key(0)) == 1 and pins(m, key(1)) == 1
+    m.prepare_load(ks(0))
+    assert pins(m, key(0)) == 2
+    m.complete_load(ks(0, 1))
+    assert pins(m, key(0)) == 1 and pins(m, key(1)) == 0
+    m.complete_load(ks(0))
+    assert pins(m, key(0)) == 0
+    m.complete_load(ks(0))  # extra completion: ignored, never negative
+    assert pins(m, key(0)) == 0
+
+
+def test_prepare_load_of_missing_key_raises_and_pins_nothing(policy: str) -> None:
+    m = manager(policy, 4)
+    store(m, ks(0))
+    m.prepare_store(ks(1))  # STORING is not loadable either
+    with pytest.raises(KeyError):
+        m.prepare_load(ks(0, 2))
+    with pytest.raises(KeyError):
+        m.prepare_load(ks(0, 1))
+    assert pins(m, key(0)) == 0
+    assert m.stats().tiers[HOST].loads == 0
+
+
+def test_pinned_key_is_never_evicted(policy: str) -> None:
+    m = manager(policy, 2)
+    store(m, ks(0))
+    store(m, ks(1))
+    load = m.prepare_load(ks(0))
+    m.touch(ks(1))  # key 0 is now the policy's first candidate, but pinned
+    for i in range(2, 12):  # the tier churns while the load is in flight
+        plan = store(m, ks(i))
+        assert plan is not None
+        assert key(0) not in plan.evicted
+        assert load.slots[0] not in plan.slots  # its slot is never handed out
+        assert m.state_of(key(0)) == (ChunkState.READY, load.slots[0], 1)
+    m.complete_load(ks(0))
+    plan = store(m, ks(20, 21))
+    assert plan is not None and key(0) in plan.evicted
+
+
+def test_load_then_complete_allows_eviction(policy: str) -> None:
+    m = manager(policy, 1)
+    store(m, ks(0))
+    m.prepare_load(ks(0))
+    assert m.prepare_store(ks(1)) is None
+    m.complete_load(ks(0))
+    plan = m.prepare_store(ks(1))
+    assert plan is not None and plan.evicted == (key(0),)
+
+
+# ------------------------------------------------------------------------------ touch
+def test_touch_changes_eviction_order(policy: str) -> None:
+    m = manager(policy, 3)
+    for i in range(3):
+        store(m, ks(i))
+    m.touch(ks(0))
+    plan = store(m, ks(3))
+    assert plan is not None and plan.evicted == (key(1),)
+
+
+def test_touch_ignores_missing_and_storing_keys(policy: str) -> None:
+    m = manager(policy, 2)
+    store(m, ks(0))
+    m.prepare_store(ks(1))
+    m.touch(ks(7, 1))
+    assert m.state_of(key(7)) is None
+    assert state(m, key(1)) is ChunkState.STORING
+
+
+# ----------------------------------------------------------------------------- events
+def test_events_stored_removed_and_drained(policy: str) -> None:
+    m = manager(policy, 2)
+    store(m, ks(0, 1))
+    events = m.take_events()
+    assert events == [ChunkEvent(EventKind.STORED, HOST, tuple(ks(0, 1)))]
+    assert events[0].prefix_hashes() == [prefix_hash(0), prefix_hash(1)]
+    assert m.take_events() == []
+
+    store(m, ks(2))
+    assert m.take_events() == [
+        ChunkEvent(EventKind.REMOVED, HOST, (key(1),)),
+        ChunkEvent(EventKind.STORED, HOST, (key(2),)),
+    ]
+    m.reset()
+    events = m.take_events()
+    assert [e.kind for e in events] == [EventKind.REMOVED]
+    assert set(events[0].keys) == {key(0), key(2)}
+    assert m.take_events() == []
+
+
+def test_failed_store_emits_no_event_but_frees(policy: str) -> None:
+    m = manager(policy, 1)
+    m.prepare_store(ks(0))
+    m.complete_store(ks(0), ok=False)
+    assert m.take_events() == []
+
+
+# ------------------------------------------------------------------------------ stats
+def test_stats_counters(policy: str) -> None:
+    m = manager(policy, 2)
+    store(m, ks(0, 1))
+    m.lookup(ks(0, 1, 2))
+    m.lookup(ks(3))
+    m.prepare_load(ks(0, 1))
+    m.complete_load(ks(0, 1))
+    store(m, ks(4), ok=False)  # evicts one to make room, then fails
+    survivor = [k for k in ks(0, 1) if state(m, k) is not None]
+    assert len(survivor) == 1
+    m.prepare_load(survivor)  # pinned: the next store cannot evict it
+    assert m.prepare_store(ks(5, 6)) is not None  # one fits, one refused
+    stats = m.stats()
+    assert (stats.lookups, stats.lookup_chunks, stats.lookup_hit_chunks) == (2, 4, 2)
+    tier = stats.tiers[HOST]
+    assert tier.stored_chunks == 2
+    assert tier.store_failures == 1
+    assert tier.evictions == 1
+    assert tier.store_refused == 1
+    assert tier.loads == 3 and tier.hit_chunks == 3
+
+
+def test_stats_is_a_snapshot(policy: str) -> None:
+    m = manager(policy, 2)
+    snap = m.stats()
+    snap.tiers[HOST].stored_chunks = 99
+    store(m, ks(0))
+    assert m.stats().tiers[HOST].stored_chunks == 1
+    assert snap.tiers[HOST].stored_chunks == 99
+
+
+# ------------------------------------------------------------------ reset / shutdown
+def test_reset_drops_only_ready_unpinned(policy: str) -> None:
+    m = manager(policy, 5)
+    store(m, ks(0, 1, 2))
+    load = m.prepare_load(ks(0))
+    m.prepare_store(ks(3))  # STORING
+    m.take_events()
+    assert m.reset() == 2
+    assert [e.kind for e in m.take_events()] == [EventKind.REMOVED]
+    assert m.state_of(key(0)) == (ChunkState.READY, load.slots[0], 1)
+    assert state(m, key(3)) is ChunkState.STORING
+    assert state(m, key(1)) is None and state(m, key(2)) is None
+    assert used(m) == 2
+    m.complete_store(ks(3))
+    assert m.lookup(ks(3)) == 1
+    m.complete_load(ks(0))
+    plan = store(m, ks(4, 5, 6, 7))  # 3 free slots + 1 evicted (key 0 or key 3)
+    assert plan is not None and len(plan.keys) == 4
+    assert len(plan.evicted) == 1 and plan.evicted[0] in (key(0), key(3))
+
+
+def test_reset_of_empty_manager(policy: str) -> None:
+    m = manager(policy, 3)
+    assert m.reset() == 0
+    assert m.take_events() == []
+
+
+def test_shutdown_forgets_everything(policy: str) -> None:
+    m = manager(policy, 3)
+    store(m, ks(0, 1))
+    m.prepare_load(ks(0))
+    m.shutdown()
+    assert m.usage() == {HOST: (0, 3)}
+    assert m.lookup(ks(0)) == 0
+    assert m.prepare_store(ks(2, 3, 4)) is not None
+
+
+# ----------------------------------------------------------------------- several tiers
+def place_in_lower_tier(m: OffloadingManager, tier_name: str, k: bytes) -> int:
+    """Make ``k`` READY in a lower tier, as a write-back would (not in the API yet)."""
+    tier = next(t for t in m.tiers if t.name == tier_name)
+    slot = tier.take_slots(1)[0]
+    tier.ready[k] = slot
+    tier.policy.insert(k)
+    return slot
+
+
+def test_lookup_and_load_across_tiers(policy: str) -> None:
+    m = OffloadingManager([TierSpec(HOST, 2, policy), TierSpec("disk", 4, policy)])
+    store(m, ks(0))
+    disk_slot = place_in_lower_tier(m, "disk", key(1))
+    assert m.usage() == {HOST: (1, 2), "disk": (1, 4)}
+    assert m.lookup(ks(0, 1, 2)) == 2
+    plan = m.prepare_load(ks(0, 1))
+    assert plan.tiers == (HOST, "disk") and plan.slots[1] == disk_slot
+    assert m.state_of(key(1), "disk") == (ChunkState.READY, disk_slot, 1)
+    m.complete_load(ks(0, 1))
+    assert pins(m, key(0)) == 0
+    assert m.state_of(key(1), "disk") == (ChunkState.READY, disk_slot, 0)
+    with pytest.raises(KeyError):
+        m.prepare_load(ks(1, 2))
+    assert m.state_of(key(1), "disk") == (ChunkState.READY, disk_slot, 0)
+    assert m.reset() == 2
+    assert m.usage() == {HOST: (0, 2), "disk": (0, 4)}
+
+
+def test_concurrent_loads_of_a_key_pin_one_tier(policy: str) -> None:
+    """A second load of a key reads the tier the first one pinned, so unpinning is unambiguous."""
+    m = OffloadingManager([TierSpec(HOST, 2, policy), TierSpec("disk", 4, policy)])
+    place_in_lower_tier(m, "disk", key(0))
+    first = m.prepare_load(ks(0))
+    store(m, ks(0))  # now READY in the host tier too
+    second = m.prepare_load(ks(0))
+    assert first.tiers == second.tiers == ("disk",)
+    m.complete_load(ks(0))
+    assert m.state_of(key(0), "disk") == (ChunkState.READY, first.slots[0], 1)
+    assert pins(m, key(0)) == 0  # the host copy was never pinned
+    m.complete_load(ks(0))
+    assert m.state_of(key(0), "disk") == (ChunkState.READY, first.slots[0], 0)
+    third = m.prepare_load(ks(0))
+    assert third.tiers == (HOST,)  # nothing pinned any more: the first READY tier
+
+
+# --------------------------------------------------------------- state machine (random)
+class ManagerMachine(RuleBasedStateMachine):
+    """Random operation sequences against a model of the expected directory.
+
+    The model holds, per key, its state, slot and pin count. Every victim must
+    be allowed (READY, unpinned, not part of the offer); with LRU the model also
+    keeps the recency order and checks the victims are exactly the least
+    recently used allowed keys (ARC's choice is only checked to be allowed).
+    """
+
+    POLICY = "lru"
+    NUM_KEYS = 14
+    CAPACITY = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = manager(self.POLICY, self.CAPACITY)
+        self.state: dict[bytes, ChunkState] = {}
+        self.slot: dict[bytes, int] = {}
+        self.pins: dict[bytes, int] = {}
+        self.pending_stores: list[tuple[bytes, ...]] = []
+        self.pending_loads: list[tuple[bytes, ...]] = []
+        self.events: list[tuple[EventKind, list[bytes]]] = []
+        self.recency: dict[bytes, None] = {}  # READY keys, least recently used first
+        self.doomed: dict[bytes, list[int]] = {}  # discarded while pinned: key -> slots held
+
+    # ---- helpers
+    def _use(self, keys: Iterable[bytes]) -> None:
+        # The manager marks a request's keys last-first: the prefix head ends most recent.
+        for k in reversed(list(keys)):
+            if self.state.get(k) is ChunkState.READY:
+                self.recency.pop(k, None)
+                self.recency[k] = None
+
+    def _doomed_slots(self) -> int:
+        return sum(len(held) for held in self.doomed.values())
+
+    def _ready(self) -> list[bytes]:
+        return [k for k, s in self.state.items() if s is ChunkState.READY]
+
+    def _evictable(self, offer: set[bytes]) -> list[bytes]:
+        return [k for k in self._ready() if self.pins[k] == 0 and k not in offer]
+
+    def _forget(self, k: bytes) -> None:
+        del self.state[k], self.slot[k]
+        if k not in self.doomed:  # a doomed key's pins belong to its old load
+            del self.pins[k]
+        self.recency.pop(k, None)
+
+    # ---- rules
+    @rule(ids=st.lists(st.integers(0, NUM_KEYS - 1), min_size=1, max_size=6))
+    def prepare_store(self, ids: list[int]) -> None:
+        offer = ks(*ids)
+        missing = list(dict.fromkeys(k for k in offer if k not in self.state))
+        free = self.CAPACITY - len(self.state) - self._doomed_slots()
+        evictable = set(self._evictable(set(offer)))
+        plan = self.m.prepare_store(offer)
+        self._use(offer)  # present READY keys of the offer are touched
+        if plan is None:
+            assert not missing or (free == 0 and not evictable)
+            return
+        assert plan.keys == tuple(missing[: len(plan.keys)])
+        assert len(plan.keys) == min(len(missing), free + len(evictable))
+        assert set(plan.evicted) <= evictable
+        assert len(plan.evicted) == max(0, len(plan.keys) - free)
+        if self.POLICY == "lru":
+            lru_first = [k for k in self.recency if k in evictable]
+            assert list(plan.evicted) == lru_first[: len(plan.evicted)]
+        for k in plan.evicted:
+            self._forget(k)
+        if plan.evicted:
+            self.events.append((EventKind.REMOVED, sorted(plan.evicted)))
+        taken = set(self.slot.values()) | {x for held in self.doomed.values() for x in held}
+        assert len(set(plan.slots)) == len(plan.slots)
+        assert not taken & set(plan.slots), "a slot was handed to two keys"
+        for k, s in zip(plan.keys, plan.slots):
+            self.state[k], self.slot[k] = ChunkState.STORING, s
+            self.pins.setdefault(k, 0)
+        self.pending_stores.append(plan.keys)
+
+    @precondition(lambda self: self.pending_stores)
+    @rule(
+        index=st.integers(0, 99),
+        ok=st.sampled_from([True, True, True, False]),
+        failed_tail=st.sampled_from([0, 0, 0, 1, 2]),
+    )
+    def complete_store(self, index: int, ok: bool, failed_tail: int) -> None:
+        keys = self.pending_stores.pop(index % len(self.pending_stores))
+        # A job completes in two calls, its failed chunks separately, as the connector does.
+        cut = max(0, len(keys) - failed_tail)
+        done, failed = keys[:cut], keys[cut:]
+        self.m.complete_store(list(done), ok=ok)
+        self.m.complete_store(list(failed), ok=False)
+        if ok and done:
+            self.events.append((EventKind.STORED, sorted(done)))
+        for k in done:
+            if ok:
+                self.state[k] = ChunkState.READY
+            else:
+                self._forget(k)
+        if ok:
+            self._use(done)
+        for k in failed:
+            self._forget(k)
+
+    @precondition(lambda self: self.pending_stores)
+    @rule()
+    def complete_all_stores(self) -> None:
+        """The transfer side drains: every job in flight succeeds."""
+        while self.pending_stores:
+            self.complete_store(0, ok=True, failed_tail=0)
+
+    @rule(ids=st.lists(st.integers(0, NUM_KEYS - 1), max_size=6))
+    def lookup(self, ids: list[int]) -> None:
+        expected = 0
+        for k in ks(*ids):
+            if self.state.get(k) is not ChunkState.READY:
+                break
+            expected += 1
+        assert self.m.lookup(ks(*ids)) == expected
+
+    @rule(data=st.data())
+    def prepare_load(self, data: st.DataObject) -> None:
+        ready = self._ready()
+        if not ready:
+            return
+        keys = tuple(data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=4)))
+        plan = self.m.prepare_load(keys)
+        assert plan.slots == tuple(self.slot[k] for k in keys)
+        self._use(keys)
+        for k in keys:
+            self.pins[k] += 1
+        self.pending_loads.append(keys)
+
+    @rule(id_=st.integers(0, NUM_KEYS - 1))
+    def prepare_load_missing(self, id_: int) -> None:
+        k = key(id_)
+        if self.state.get(k) is ChunkState.READY:
+            return
+        before = {x: self.pins[x] for x in self._ready()}
+        with pytest.raises(KeyError):
+            self.m.prepare_load(self._ready()[:1] + [k])
+        assert all(self.m.state_of(x)[2] == before[x] for x in before)  # type: ignore[index]
+
+    @precondition(lambda self: self.pending_loads)
+    @rule(index=st.integers(0, 99))
+    def complete_load(self, index: int) -> None:
+        keys = self.pending_loads.pop(index % len(self.pending_loads))
+        self.m.complete_load(keys)
+        for k in keys:
+            self.pins[k] -= 1
+            if self.pins[k] == 0 and k in self.doomed:
+                del self.doomed[k]  # its last load is done: the slot is free again
+                if k not in self.state:
+                    del self.pins[k]
+
+    @rule(data=st.data())
+    def discard(self, data: st.DataObject) -> None:
+        """A load failed: its chunks are dropped (doomed while still pinned)."""
+        ready = self._ready()
+        if not ready:
+            return
+        keys = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=3, unique=True))
+        assert self.m.discard(keys) == len(keys)
+        assert self.m.lookup(keys[:1]) == 0
+        for k in keys:
+            if self.pins[k]:
+                self.doomed.setdefault(k, []).append(self.slot[k])
+            self._forget(k)
+        self.events.append((EventKind.REMOVED, sorted(keys)))
+
+    @rule(ids=st.lists(st.integers(0, NUM_KEYS - 1), max_size=4))
+    def touch(self, ids: list[int]) -> None:
+        self.m.touch(ks(*ids))
+        self._use(ks(*ids))
+
+    @precondition(lambda self: len(self.state) == self.CAPACITY)
+    @rule()
+    def reset(self) -> None:
+        dropped = [k for k in self._ready() if self.pins[k] == 0]
+        assert self.m.reset() == len(dropped)
+        for k in dropped:
+            self._forget(k)
+        if dropped:
+            self.events.append((EventKind.REMOVED, sorted(dropped)))
+
+    # ---- invariants
+    @invariant()
+    def directory_matches_model(self) -> None:
+        used_slots, total = self.m.usage()[HOST]
+        assert used_slots == len(self.state) + self._doomed_slots() <= total == self.CAPACITY
+        held = list(self.slot.values()) + [x for h in self.doomed.values() for x in h]
+        assert len(set(held)) == len(held)
+        for k, s in self.state.items():
+            pins = self.pins[k] if s is ChunkState.READY else 0
+            assert self.m.state_of(k) == (s, self.slot[k], pins)
+        for i in range(self.NUM_KEYS):
+            if key(i) not in self.state:
+                assert self.m.state_of(key(i)) is None
+
+    @invariant()
+    def events_match_model(self) -> None:
+        got = [(e.kind, sorted(e.keys)) for e in self.m.take_events()]
+        assert all(e_keys for _, e_keys in got), "an event without keys"
+        assert got == self.events
+        self.events = []
+
+    @invariant()
+    def pinned_keys_are_ready(self) -> None:
+        for k, n in self.pins.items():
+            assert n >= 0
+            if n:
+                assert k in self.doomed or self.state[k] is ChunkState.READY
+
+
+def _machine_for(policy: str) -> type[ManagerMachine]:
+    return type(f"ManagerMachine_{policy}", (ManagerMachine,), {"POLICY": policy})
+
+
+_MACHINE_SETTINGS = settings(
+    max_examples=100,
+    stateful_step_count=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestManagerMachineLRU = _machine_for("lru").TestCase
+TestManagerMachineLRU.settings = _MACHINE_SETTINGS
+TestManagerMachineARC = _machine_for("arc").TestCase
+TestManagerMachineARC.settings = _MACHINE_SETTINGS
+
+
+# ---------------------------------------------------------------- discard (failed loads)
+def test_discard_unpinned_is_a_miss_and_frees_its_slot(policy: str) -> None:
+    m = manager(policy, 2)
+    store(m, ks(0, 1))
+    m.take_events()
+    assert m.discard(ks(1)) == 1
+    assert m.lookup(ks(0, 1)) == 1 and used(m) == 1
+    assert m.take_events() == [ChunkEvent(EventKind.REMOVED, HOST, (key(1),))]
+    assert m.discard(ks(1, 7)) == 0  # already gone, never stored: nothing to drop
+
+
+def test_discard_pinned_holds_slot_until_the_load_completes(policy: str) -> None:
+    m = manager(policy, 2)
+    store(m, ks(0, 1))
+    (held,) = m.prepare_load(ks(0)).slots
+    assert m.discard(ks(0)) == 1
+    assert m.lookup(ks(0)) == 0  # a miss at once: vLLM recomputes instead of retrying
+    assert used(m) == 2  # the in-flight load still reads the slot
+    plan = store(m, ks(2))  # room comes from evicting key 1, never from the held slot
+    assert plan is not None and plan.slots[0] != held and plan.evicted == (key(1),)
+    m.complete_load(ks(0))
+    assert used(m) == 1 and held in m.tiers[0].free_slots
+
+
+def test_discard_restore_discard_while_pinned_leaks_no_slot(policy: str) -> None:
+    m = manager(policy, 3)
+    store(m, ks(0))
+    m.prepare_load(ks(0))
+    m.discard(ks(0))
+    store(m, ks(0))  # stored again while the old load still pins the key
+    m.discard(ks(0))
+    assert used(m) == 2
+    m.complete_load(ks(0))
+    assert used(m) == 0
