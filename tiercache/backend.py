@@ -42,11 +42,34 @@ class BackendSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+@dataclass(frozen=True)
+class BackendContext:
+    """What the engine tells a backend about the chunks it will hold.
+
+    ``namespace`` is the 8-byte namespace digest (keys start with it too); a
+    medium shared between engines must keep namespaces apart (a directory per
+    namespace, a key prefix, ...). Every value is exactly ``chunk_bytes`` long.
+    The manager keeps the tier inside ``capacity_bytes`` by evicting (and then
+    calling :meth:`Backend.delete`); a backend must still refuse (fail) a put
+    that would take it past its budget, never exceed it.
+    """
+
+    tier_name: str
+    namespace: bytes
+    chunk_bytes: int
+    capacity_bytes: int
+    rank: int = 0
+    world_size: int = 1
+
+
 class Backend(ABC):
     """A storage medium for fixed-size chunks, addressed by key."""
 
     name: ClassVar[str]
     settings_model: ClassVar[type[BaseModel]] = BackendSettings
+
+    # Plugins are constructed as ``cls(settings, context)`` by tiercache.plugins;
+    # ``settings`` is an instance of ``settings_model`` built from the tier's options.
 
     @abstractmethod
     def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
@@ -68,7 +91,11 @@ class Backend(ABC):
     def delete(self, keys: Sequence[bytes]) -> None: ...
 
     def recover(self) -> Iterable[bytes]:
-        """Keys still valid after a restart (persistent media); none by default."""
+        """Keys still valid after a restart (persistent media); none by default.
+
+        Must not read chunk bodies: time proportional to the chunk count. The
+        scheduler opens the backend once at start-up to rebuild its directory.
+        """
         return ()
 
     @abstractmethod

@@ -125,7 +125,7 @@ class TierCacheConfig(BaseSettings):
             raise ValueError(f"tiers: duplicate tier names {dupes}")
         if self.tiers[0].backend != "cpu":
             raise ValueError(
-                f"tiers[0].backend: the first tier is the host staging tier and must be "
+                f"tiers.0.backend: the first tier is the host staging tier and must be "
                 f"'cpu', got {self.tiers[0].backend!r}"
             )
         return self
@@ -204,8 +204,11 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
     where = f" (config_file {path})" if path else ""
     lines = [f"invalid tiercache config{where}:"]
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"]
+        if not err["loc"]:  # a cross-field check: its message names the key itself
+            lines.append("  " + msg.removeprefix("Value error, "))
+            continue
+        key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
