@@ -27,121 +27,15 @@ before the heads every later chunk depends on.
 
 from __future__ import annotations
 
-import enum
 import itertools
-from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from tiercache.directory import ChunkState, TierDirectory, TierSpec, TierStats
 from tiercache.events import ChunkEvent, EventKind
-from tiercache.plans import LoadPlan, StorePlan
-from tiercache.policies import EvictionPolicy, make_policy
+from tiercache.plans import DemotePlan, LoadPlan, StorePlan
 
-
-class ChunkState(enum.IntEnum):
-    STORING = 0
-    READY = 1
-
-
-@dataclass(frozen=True)
-class TierSpec:
-    """What the manager needs to know about a tier: its name, slots and policy."""
-
-    name: str
-    num_slots: int
-    policy: str = "lru"
-
-
-@dataclass
-class TierStats:
-    """Counters of one tier; read with :meth:`OffloadingManager.stats`."""
-
-    hit_chunks: int = 0
-    stored_chunks: int = 0
-    store_failures: int = 0
-    store_refused: int = 0
-    evictions: int = 0
-    loads: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-class TierDirectory:
-    """The directory of one tier: which keys it holds, where, pinned how often.
-
-    A key is in exactly one of ``storing`` (STORING: slot reserved, bytes being
-    written) or ``ready`` (READY: loadable); both map the key to its slot. Pins
-    (loads in flight) are counted in ``pins`` for READY keys only. The policy
-    orders READY keys; STORING keys never enter it, so they are never candidates.
-    Plain dicts, no per-key objects: the scheduler calls this every step.
-    """
-
-    def __init__(self, spec: TierSpec) -> None:
-        if spec.num_slots < 0:
-            raise ValueError(f"tier {spec.name}: num_slots must be >= 0")
-        self.spec = spec
-        self.name = spec.name
-        self.ready: dict[bytes, int] = {}
-        self.storing: dict[bytes, int] = {}
-        self.pins: dict[bytes, int] = {}
-        # Discarded while pinned: no longer READY, slots held until the last unpin
-        # (a list: the key may be stored again and discarded again meanwhile).
-        self.doomed: dict[bytes, list[int]] = {}
-        # Pop from the end: slot 0 is handed out first.
-        self.free_slots: list[int] = list(range(spec.num_slots - 1, -1, -1))
-        self.policy: EvictionPolicy = make_policy(spec.policy, spec.num_slots)
-        self.stats = TierStats()
-
-    @property
-    def used_slots(self) -> int:
-        return self.spec.num_slots - len(self.free_slots)
-
-    def take_slots(self, count: int) -> list[int]:
-        """Hand out ``count`` free slots (lowest first on a fresh tier)."""
-        if count <= 0:
-            return []
-        free = self.free_slots
-        slots = free[: -count - 1 : -1]
-        del free[-count:]
-        return slots
-
-    def evict(self, count: int, protected: AbstractSet[bytes] = frozenset()) -> list[bytes]:
-        """Evict up to ``count`` READY, unpinned keys not in ``protected``, in policy order."""
-        # No pins and nothing protected: the first ``count`` candidates, in bulk.
-        pins = self.pins
-        if not pins and not protected:
-            victims = list(itertools.islice(self.policy.candidates(), count))
-        else:
-            victims = []
-            for key in self.policy.candidates():
-                if key not in pins and key not in protected:
-                    victims.append(key)
-                    if len(victims) == count:
-                        break
-        if victims:
-            self.policy.evicted_many(victims)
-            self.free_slots.extend(map(self.ready.pop, victims))
-            self.stats.evictions += len(victims)
-        return victims
-
-    def drop_unpinned(self) -> list[bytes]:
-        """Forget every READY unpinned key (reset); return them."""
-        pins = self.pins
-        dropped = [k for k in self.ready if k not in pins]
-        remove = self.policy.remove
-        for key in dropped:
-            remove(key)
-        self.free_slots.extend(map(self.ready.pop, dropped))
-        return dropped
-
-    def clear(self) -> None:
-        self.ready.clear()
-        self.storing.clear()
-        self.pins.clear()
-        self.doomed.clear()
-        self.policy.clear()
-        self.free_slots = list(range(self.spec.num_slots - 1, -1, -1))
+__all__ = ["ChunkState", "ManagerStats", "OffloadingManager", "TierSpec", "TierStats"]
 
 
 @dataclass
@@ -163,7 +57,15 @@ class OffloadingManager:
         if len(self._by_name) != len(self.tiers):
             raise ValueError("tier names must be unique")
         self.host = self.tiers[0]
+        self.lower = self.tiers[1:]
         self._events: list[ChunkEvent] = []
+        # key -> lower tier a staged load reads it from (host holds it STORING meanwhile)
+        self._staged: dict[bytes, TierDirectory] = {}
+        # per lower tier: host keys waiting to be copied down (write-through)
+        self._demote_queue: dict[str, dict[bytes, None]] = {t.name: {} for t in self.lower}
+        # per lower tier: keys the backend must delete (evicted, discarded, reset)
+        self._deletes: dict[str, list[bytes]] = {t.name: [] for t in self.lower}
+        self.write_back_watermark = 0.9
         self._lookups = 0
         self._lookup_chunks = 0
         self._lookup_hits = 0
@@ -185,9 +87,13 @@ class OffloadingManager:
                     hits = i
                     break
         else:
-            readies = [t.ready for t in self.tiers]
+            host_ready, host_storing = self.host.ready, self.host.storing
+            lower_readies = [t.ready for t in self.lower]
             for i, key in enumerate(keys):
-                if not any(key in r for r in readies):
+                if key in host_ready:
+                    continue
+                # A chunk being staged into the host tier is busy until that load ends.
+                if key in host_storing or not any(key in r for r in lower_readies):
                     hits = i
                     break
         self._lookup_hits += hits
@@ -217,7 +123,37 @@ class OffloadingManager:
         """
         if len(self.tiers) == 1:
             return self._prepare_load_host(keys)
-        sources = [self._load_source(key) for key in keys]
+        host = self.host
+        sources = [host if key in host.ready else self._load_source(key) for key in keys]
+        if any(t is not host and key in host.storing for key, t in zip(keys, sources)):
+            raise KeyError("prepare_load: a chunk is already being staged into the host tier")
+        # Staging slots in the host tier for the chunks that live only below it.
+        staged_count = sum(1 for t in sources if t is not host)
+        if staged_count > len(host.free_slots):
+            evicted = host.evict(staged_count - len(host.free_slots), set(keys))
+            if evicted:
+                self._events.append(ChunkEvent(EventKind.REMOVED, host.name, tuple(evicted)))
+        budget = len(host.free_slots)
+        count = len(keys)
+        for i, tier in enumerate(sources):
+            if tier is not host:
+                if budget == 0:
+                    count = i  # no room to stage the rest: the plan stops here
+                    break
+                budget -= 1
+        keys, sources = list(keys[:count]), sources[:count]
+        slots: list[int] = []
+        staged: list[bool] = []
+        for key, tier in zip(keys, sources):
+            if tier is host:
+                slots.append(host.ready[key])
+                staged.append(False)
+            else:
+                (slot,) = host.take_slots(1)
+                host.storing[key] = slot
+                self._staged[key] = tier
+                slots.append(slot)
+                staged.append(True)
         for key, tier in zip(reversed(keys), reversed(sources)):
             tier.pins[key] = tier.pins.get(key, 0) + 1
             tier.policy.access(key)
@@ -226,7 +162,8 @@ class OffloadingManager:
         return LoadPlan(
             keys=tuple(keys),
             tiers=tuple(t.name for t in sources),
-            slots=tuple(t.ready[k] for k, t in zip(keys, sources)),
+            slots=tuple(slots),
+            staged=tuple(staged),
         )
 
     def _prepare_load_host(self, keys: Sequence[bytes]) -> LoadPlan:
@@ -247,8 +184,17 @@ class OffloadingManager:
         tier.stats.loads += len(keys)
         return LoadPlan(keys=tuple(keys), tiers=(tier.name,) * len(keys), slots=slots)
 
-    def complete_load(self, keys: Sequence[bytes], ctx: object = None) -> None:
-        """Release the pins taken by :meth:`prepare_load` (success or failure alike)."""
+    def complete_load(
+        self, keys: Sequence[bytes], ctx: object = None, failed: Collection[bytes] = ()
+    ) -> None:
+        """Release the pins taken by :meth:`prepare_load` (success or failure alike).
+
+        A staged chunk (read from a lower tier through a host slot) becomes READY
+        in the host tier when its load succeeded; a failed one gives its staging
+        slot back. ``failed`` names the chunks whose load failed.
+        """
+        if self._staged:
+            keys = self._finish_staged(keys, failed)
         for tier in self.tiers:
             pins = tier.pins
             if not pins:
@@ -268,6 +214,35 @@ class OffloadingManager:
             keys = rest
             if not keys:
                 return
+
+    def _finish_staged(self, keys: Sequence[bytes], failed: Collection[bytes]) -> list[bytes]:
+        """Close the staged chunks among ``keys``; return the others."""
+        host = self.host
+        rest: list[bytes] = []
+        promoted: list[bytes] = []
+        for key in keys:
+            tier = self._staged.pop(key, None)
+            if tier is None:
+                rest.append(key)
+                continue
+            count = tier.pins[key]
+            if count == 1:
+                del tier.pins[key]
+                held = tier.doomed.pop(key, None)
+                if held is not None:
+                    tier.free_slots.extend(held)
+            else:
+                tier.pins[key] = count - 1
+            slot = host.storing.pop(key)
+            if key in failed:
+                host.free_slots.append(slot)
+            else:
+                host.ready[key] = slot
+                promoted.append(key)
+        if promoted:
+            host.policy.insert_many(promoted[::-1])
+            self._events.append(ChunkEvent(EventKind.STORED, host.name, tuple(promoted)))
+        return rest
 
     def touch(self, keys: Sequence[bytes], ctx: object = None) -> None:
         """Mark keys as recently used (the engine hit them in its own cache)."""
@@ -342,6 +317,9 @@ class OffloadingManager:
             tier.policy.insert_many(stored[::-1])
             tier.stats.stored_chunks += len(stored)
             self._events.append(ChunkEvent(EventKind.STORED, tier.name, tuple(stored)))
+            for lower in self.lower:
+                if lower.spec.mode == "write_through":
+                    self._demote_queue[lower.name].update(dict.fromkeys(stored))
 
     def discard(self, keys: Sequence[bytes], ctx: object = None) -> int:
         """Drop chunks that proved unusable (a failed load, a bad checksum) from every tier.
@@ -365,7 +343,113 @@ class OffloadingManager:
             if removed:
                 dropped += len(removed)
                 self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(removed)))
+                if tier is not self.host:
+                    self._deletes[tier.name].extend(removed)
         return dropped
+
+    # ---------------------------------------------------------- lower tiers
+    def prepare_demotions(self, max_keys: int = 256) -> list[DemotePlan]:
+        """Plan copies of host chunks down into the lower tiers; called once per step.
+
+        write_through tiers receive every chunk the host tier stored; write_back
+        tiers receive the host tier's coldest chunks once it is fuller than
+        ``write_back_watermark``. The host copies are pinned until
+        :meth:`complete_demotion`; room in the lower tier comes from its own
+        eviction order (the evicted keys are queued for deletion).
+        """
+        plans: list[DemotePlan] = []
+        host = self.host
+        for tier in self.lower:
+            if tier.spec.mode == "write_through":
+                candidates = self._take_demote_queue(tier, max_keys)
+            else:
+                candidates = self._write_back_candidates(tier, max_keys)
+            if not candidates:
+                continue
+            shortfall = len(candidates) - len(tier.free_slots)
+            if shortfall > 0:
+                evicted = tier.evict(shortfall)
+                if evicted:
+                    self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(evicted)))
+                    self._deletes[tier.name].extend(evicted)
+                fit = min(len(candidates), len(tier.free_slots))
+                tier.stats.store_refused += len(candidates) - fit
+                candidates = candidates[:fit]
+            if not candidates:
+                continue
+            tier.storing.update(zip(candidates, tier.take_slots(len(candidates))))
+            pins = host.pins
+            for key in candidates:
+                pins[key] = pins.get(key, 0) + 1
+            plans.append(
+                DemotePlan(tier.name, tuple(candidates), tuple(host.ready[k] for k in candidates))
+            )
+        return plans
+
+    def _take_demote_queue(self, tier: TierDirectory, max_keys: int) -> list[bytes]:
+        queue = self._demote_queue[tier.name]
+        host_ready = self.host.ready
+        out: list[bytes] = []
+        while queue and len(out) < max_keys:
+            key = next(iter(queue))
+            del queue[key]
+            if key in host_ready and key not in tier.ready and key not in tier.storing:
+                out.append(key)
+        return out
+
+    def _write_back_candidates(self, tier: TierDirectory, max_keys: int) -> list[bytes]:
+        host = self.host
+        if host.used_slots < self.write_back_watermark * host.spec.num_slots:
+            return []
+        out: list[bytes] = []
+        for key in host.policy.candidates():  # coldest first
+            if key not in tier.ready and key not in tier.storing and key not in host.pins:
+                out.append(key)
+                if len(out) == max_keys:
+                    break
+        return out
+
+    def complete_demotion(
+        self, tier_name: str, keys: Sequence[bytes], failed: Collection[bytes] = ()
+    ) -> None:
+        """Finish a demotion: unpin the host copies; the lower copies become READY (or vanish)."""
+        tier = self._by_name[tier_name]
+        self.complete_load(keys)  # releases the host pins taken by prepare_demotions
+        stored: list[bytes] = []
+        for key in keys:
+            slot = tier.storing.pop(key, None)
+            if slot is None:
+                continue
+            if key in failed:
+                tier.free_slots.append(slot)
+                tier.stats.store_failures += 1
+            else:
+                tier.ready[key] = slot
+                stored.append(key)
+        if stored:
+            tier.policy.insert_many(stored[::-1])
+            tier.stats.stored_chunks += len(stored)
+            self._events.append(ChunkEvent(EventKind.STORED, tier.name, tuple(stored)))
+
+    def adopt(self, tier_name: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Register chunks a persistent tier still holds after a restart (``Backend.recover``).
+
+        Returns the keys that did not fit the tier's budget; the caller deletes them.
+        """
+        tier = self._by_name[tier_name]
+        fresh = [k for k in dict.fromkeys(keys) if k not in tier.ready and k not in tier.storing]
+        fit = min(len(fresh), len(tier.free_slots))
+        adopted, extra = fresh[:fit], fresh[fit:]
+        tier.ready.update(zip(adopted, tier.take_slots(fit)))
+        tier.policy.insert_many(adopted)
+        return extra
+
+    def take_deletes(self) -> dict[str, list[bytes]]:
+        """Keys each lower tier's backend must delete (drained)."""
+        out = {name: keys for name, keys in self._deletes.items() if keys}
+        for name in out:
+            self._deletes[name] = []
+        return out
 
     # ---------------------------------------------------------------- the rest
     def take_events(self) -> list[ChunkEvent]:
@@ -404,7 +488,11 @@ class OffloadingManager:
             keys = tier.drop_unpinned()
             if keys:
                 self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(keys)))
+                if tier is not self.host:
+                    self._deletes[tier.name].extend(keys)
             dropped += len(keys)
+        for queue in self._demote_queue.values():
+            queue.clear()
         return dropped
 
     def shutdown(self) -> None:

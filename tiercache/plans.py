@@ -12,11 +12,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
-    """Load ``keys[i]`` from ``tiers[i]`` at address ``slots[i]``. Sources are pinned."""
+    """Load ``keys[i]`` into the engine from host slot ``slots[i]``. Sources are pinned.
+
+    ``tiers[i]`` names where the chunk lives. When it is a lower tier,
+    ``staged[i]`` is True: the chunk is first read from that tier into host
+    slot ``slots[i]`` (reserved as staging), then copied to the engine, in one
+    job. After the job the chunk stays in the host tier (promoted). A plan may
+    cover only a leading part of the keys asked for (no host slot could be
+    freed for staging the rest): the caller treats the rest as failed loads.
+    """
 
     keys: tuple[bytes, ...]
     tiers: tuple[str, ...]
     slots: tuple[int, ...]
+    staged: tuple[bool, ...] = ()
+
+    def is_staged(self, i: int) -> bool:
+        return bool(self.staged) and self.staged[i]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +44,16 @@ class StorePlan:
     slots: tuple[int, ...]
     evicted: tuple[bytes, ...]
     skipped_present: int
+
+
+@dataclass(frozen=True, slots=True)
+class DemotePlan:
+    """Copy ``keys[i]`` from host slot ``host_slots[i]`` down into lower tier ``tier``.
+
+    The host copies are pinned until :meth:`OffloadingManager.complete_demotion`,
+    so the slots are not reused while the backend reads them.
+    """
+
+    tier: str
+    keys: tuple[bytes, ...]
+    host_slots: tuple[int, ...]

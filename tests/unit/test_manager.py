@@ -473,48 +473,108 @@ def test_shutdown_forgets_everything(policy: str) -> None:
 
 # ----------------------------------------------------------------------- several tiers
 def place_in_lower_tier(m: OffloadingManager, tier_name: str, k: bytes) -> int:
-    """Make ``k`` READY in a lower tier, as a write-back would (not in the API yet)."""
-    tier = next(t for t in m.tiers if t.name == tier_name)
-    slot = tier.take_slots(1)[0]
-    tier.ready[k] = slot
-    tier.policy.insert(k)
-    return slot
+    """Make ``k`` READY in a lower tier only, as after a restart (``adopt``)."""
+    assert m.adopt(tier_name, [k]) == []
+    return m.state_of(k, tier_name)[1]  # type: ignore[index]
 
 
-def test_lookup_and_load_across_tiers(policy: str) -> None:
-    m = OffloadingManager([TierSpec(HOST, 2, policy), TierSpec("disk", 4, policy)])
+def two_tiers(policy: str, host: int = 2, disk: int = 4, mode: str = "write_through") -> OffloadingManager:
+    return OffloadingManager([TierSpec(HOST, host, policy), TierSpec("disk", disk, policy, mode)])  # type: ignore[arg-type]
+
+
+def test_lookup_and_staged_load_across_tiers(policy: str) -> None:
+    m = two_tiers(policy)
     store(m, ks(0))
     disk_slot = place_in_lower_tier(m, "disk", key(1))
     assert m.usage() == {HOST: (1, 2), "disk": (1, 4)}
     assert m.lookup(ks(0, 1, 2)) == 2
     plan = m.prepare_load(ks(0, 1))
-    assert plan.tiers == (HOST, "disk") and plan.slots[1] == disk_slot
-    assert m.state_of(key(1), "disk") == (ChunkState.READY, disk_slot, 1)
+    assert plan.tiers == (HOST, "disk") and plan.staged == (False, True)
+    staging = plan.slots[1]
+    assert m.state_of(key(1), HOST) == (ChunkState.STORING, staging, 0)  # host slot reserved
+    assert m.state_of(key(1), "disk") == (ChunkState.READY, disk_slot, 1)  # source pinned
+    assert m.lookup(ks(1)) == 0  # busy while staged: a second load would race the first
     m.complete_load(ks(0, 1))
     assert pins(m, key(0)) == 0
     assert m.state_of(key(1), "disk") == (ChunkState.READY, disk_slot, 0)
+    assert m.state_of(key(1), HOST) == (ChunkState.READY, staging, 0)  # promoted
     with pytest.raises(KeyError):
         m.prepare_load(ks(1, 2))
-    assert m.state_of(key(1), "disk") == (ChunkState.READY, disk_slot, 0)
-    assert m.reset() == 2
+    assert m.reset() == 3
     assert m.usage() == {HOST: (0, 2), "disk": (0, 4)}
+    assert m.take_deletes() == {"disk": [key(1)]}
 
 
-def test_concurrent_loads_of_a_key_pin_one_tier(policy: str) -> None:
-    """A second load of a key reads the tier the first one pinned, so unpinning is unambiguous."""
-    m = OffloadingManager([TierSpec(HOST, 2, policy), TierSpec("disk", 4, policy)])
+def test_failed_staged_load_frees_staging_and_discard_deletes(policy: str) -> None:
+    m = two_tiers(policy)
     place_in_lower_tier(m, "disk", key(0))
-    first = m.prepare_load(ks(0))
-    store(m, ks(0))  # now READY in the host tier too
-    second = m.prepare_load(ks(0))
-    assert first.tiers == second.tiers == ("disk",)
-    m.complete_load(ks(0))
-    assert m.state_of(key(0), "disk") == (ChunkState.READY, first.slots[0], 1)
-    assert pins(m, key(0)) == 0  # the host copy was never pinned
-    m.complete_load(ks(0))
-    assert m.state_of(key(0), "disk") == (ChunkState.READY, first.slots[0], 0)
-    third = m.prepare_load(ks(0))
-    assert third.tiers == (HOST,)  # nothing pinned any more: the first READY tier
+    plan = m.prepare_load(ks(0))
+    m.complete_load(ks(0), failed={key(0)})
+    assert m.state_of(key(0), HOST) is None and plan.slots[0] in m.host.free_slots
+    assert m.discard(ks(0)) == 1  # the caller drops the bad chunk from its tier
+    assert m.lookup(ks(0)) == 0 and m.take_deletes() == {"disk": [key(0)]}
+
+
+def test_staging_evicts_host_but_stops_when_no_room(policy: str) -> None:
+    m = two_tiers(policy, host=1)
+    store(m, ks(5))
+    m.prepare_load(ks(5))  # pinned: the only host slot cannot be used for staging
+    for i in (0, 1):
+        place_in_lower_tier(m, "disk", key(i))
+    plan = m.prepare_load(ks(0, 1))
+    assert plan.keys == ()
+    assert m.state_of(key(0), "disk")[2] == 0  # type: ignore[index]  # nothing pinned for a miss
+    m.complete_load(ks(5))
+    plan = m.prepare_load(ks(0, 1))
+    assert plan.keys == (key(0),)  # one staging slot (host key 5 evicted), the rest is a miss
+    assert m.state_of(key(5), HOST) is None
+
+
+def test_write_through_demotes_every_store(policy: str) -> None:
+    m = two_tiers(policy)
+    store(m, ks(0, 1))
+    (plan,) = m.prepare_demotions()
+    assert plan.tier == "disk" and plan.keys == (key(0), key(1))
+    assert plan.host_slots == (m.state_of(key(0), HOST)[1], m.state_of(key(1), HOST)[1])  # type: ignore[index]
+    assert pins(m, key(0)) == 1  # the host copy is pinned while the backend reads it
+    assert m.prepare_demotions() == []
+    m.complete_demotion("disk", plan.keys, failed={key(1)})
+    assert pins(m, key(0)) == 0
+    assert m.state_of(key(0), "disk")[0] is ChunkState.READY  # type: ignore[index]
+    assert m.state_of(key(1), "disk") is None
+    assert m.stats().tiers["disk"].store_failures == 1
+    store(m, ks(2))  # host full: evicts key 1 (LRU tail); key 0 stays on disk anyway
+    (plan,) = m.prepare_demotions()
+    assert plan.keys == (key(2),)
+
+
+def test_lower_tier_eviction_queues_deletes(policy: str) -> None:
+    m = two_tiers(policy, host=4, disk=2)
+    store(m, ks(0, 1))
+    (p1,) = m.prepare_demotions()
+    m.complete_demotion("disk", p1.keys)
+    store(m, ks(2))
+    (p2,) = m.prepare_demotions()
+    assert p2.keys == (key(2),)
+    deletes = m.take_deletes()["disk"]
+    assert len(deletes) == 1 and deletes[0] in (key(0), key(1))
+    assert m.usage()["disk"] == (2, 2)
+
+
+def test_write_back_demotes_cold_chunks_above_watermark(policy: str) -> None:
+    m = two_tiers(policy, host=4, mode="write_back")
+    store(m, ks(0, 1))
+    assert m.prepare_demotions() == []  # half full: nothing to do
+    store(m, ks(2, 3))
+    plans = m.prepare_demotions(max_keys=2)
+    assert len(plans) == 1 and len(plans[0].keys) == 2
+
+
+def test_adopt_respects_budget(policy: str) -> None:
+    m = two_tiers(policy, disk=2)
+    extra = m.adopt("disk", ks(0, 1, 2))
+    assert len(extra) == 1 and m.usage()["disk"] == (2, 2)
+    assert m.lookup(ks(0, 1)) == 2
 
 
 # --------------------------------------------------------------- state machine (random)
