@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tiercache.backend import Backend, JobResult
@@ -35,9 +36,11 @@ class HostTier(Backend):
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.pinned = pin_memory
-        # Untouched pages cost nothing until first written (on Linux), so the
-        # budget is reserved, not committed, until chunks arrive.
+        # Pageable: untouched pages cost nothing until first written (on Linux),
+        # so the budget is reserved, not committed, until chunks arrive. Pinned:
+        # the whole slab is committed and page-locked here, at start-up.
         self.slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        self._slab_bytes = self.slab.numpy()  # the same memory, for the keyed copies
         # Keyed Backend interface (not used by the connector's slot path).
         self._key_slots: dict[bytes, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
@@ -53,22 +56,23 @@ class HostTier(Backend):
         return self.slab[index]
 
     # ---------------------------------------------------- keyed Backend API
+    # Copies go through numpy: it reads read-only buffers (bytes) without
+    # complaint, refuses to write into them, and copies on this thread only.
     def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
         start = time.perf_counter()
         ok: list[bytes] = []
         failed: list[bytes] = []
         moved = 0
         for key, view in zip(keys, views):
+            src = _bytes_of(view)
             slot = self._key_slots.get(key)
+            if src is None or src.size > self.slot_bytes or (slot is None and not self._free):
+                failed.append(key)
+                continue
             if slot is None:
-                if not self._free or len(view) > self.slot_bytes:
-                    failed.append(key)
-                    continue
-                slot = self._free.pop()
-                self._key_slots[key] = slot
-            src = torch.frombuffer(view, dtype=torch.uint8)
-            self.slab[slot, : src.numel()].copy_(src)
-            moved += src.numel()
+                slot = self._key_slots[key] = self._free.pop()
+            self._slab_bytes[slot, : src.size] = src
+            moved += src.size
             ok.append(key)
         self._push(JobResult(job_id, tuple(ok), tuple(failed), moved, time.perf_counter() - start))
 
@@ -79,12 +83,12 @@ class HostTier(Backend):
         moved = 0
         for key, view in zip(keys, views):
             slot = self._key_slots.get(key)
-            if slot is None or len(view) > self.slot_bytes:
+            dst = _bytes_of(view)
+            if slot is None or dst is None or not dst.flags.writeable or dst.size > self.slot_bytes:
                 failed.append(key)
                 continue
-            dst = torch.frombuffer(view, dtype=torch.uint8)
-            dst.copy_(self.slab[slot, : dst.numel()])
-            moved += dst.numel()
+            dst[...] = self._slab_bytes[slot, : dst.size]
+            moved += dst.size
             ok.append(key)
         self._push(JobResult(job_id, tuple(ok), tuple(failed), moved, time.perf_counter() - start))
 
@@ -109,3 +113,11 @@ class HostTier(Backend):
     def close(self) -> None:
         self._key_slots.clear()
         self._results.clear()
+
+
+def _bytes_of(view: memoryview) -> np.ndarray | None:
+    """The bytes of ``view`` as a flat uint8 array over the same memory; None if not contiguous."""
+    try:
+        return np.frombuffer(view, dtype=np.uint8)
+    except (ValueError, TypeError, BufferError):
+        return None

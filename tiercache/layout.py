@@ -4,8 +4,11 @@ vLLM hands the worker one tensor per attention layer. Whatever its shape, each
 holds, for every engine block, one or more contiguous byte runs ("pages"): a
 tensor shaped ``(num_blocks, ...)`` has one page per block, one shaped
 ``(2, num_blocks, ...)`` (K and V apart) has two. :class:`KVBlockLayout` finds
-the block dimension of each tensor and exposes every page run as a
-``(num_blocks, page_bytes)`` uint8 view, a *region*.
+the block dimension of each tensor (the first one of size ``num_blocks``, or of
+a multiple of it when the attention kernel's blocks are smaller than the
+manager's) and exposes every page run as a ``(num_blocks, page_bytes)`` uint8
+view, a *region*. A page is copied as raw bytes in memory order, so a layout
+whose dimensions inside a block are permuted (vLLM's HND) works unchanged.
 
 A chunk slot in the host tier is laid out region-major::
 
@@ -49,7 +52,7 @@ class KVBlockLayout:
         return tuple(itertools.accumulate((p * blocks_per_chunk for p in self.page_bytes), initial=0))[:-1]
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> "KVBlockLayout":
+    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> KVBlockLayout:
         """Build the layout from vLLM's ``{layer_name: tensor}`` (layers sharing memory count once)."""
         if not kv_caches:
             raise LayoutError("no KV cache tensors were registered")
@@ -69,30 +72,50 @@ class KVBlockLayout:
 
 
 def _regions_of(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
-    if tensor.dim() >= 1 and tensor.shape[0] != num_blocks and tensor.shape[0] % num_blocks == 0 and (
-        num_blocks not in tuple(tensor.shape)
-    ):
+    """Every page run of one layer's tensor, each as a ``(num_blocks, page_bytes)`` uint8 view."""
+    shape = tuple(tensor.shape)
+    block_dim = _find_block_dim(name, shape, num_blocks)
+    if shape[block_dim] != num_blocks:
         # Kernel blocks smaller than the manager block: group them (a pure view).
-        tensor = tensor.unflatten(0, (num_blocks, -1))
-    try:
-        block_dim = list(tensor.shape).index(num_blocks)
-    except ValueError:
-        raise LayoutError(
-            f"layer {name}: no dimension of size num_blocks={num_blocks} in shape {tuple(tensor.shape)}"
-        ) from None
+        tensor = tensor.unflatten(block_dim, (num_blocks, -1))
+    # Dimensions before the block's (K and V apart, say) split the layer into
+    # regions; the ones after it form the page, taken in memory order so that a
+    # permuted page (vLLM's HND layout) is still one dense byte run.
+    outer = list(range(block_dim))
+    inner = sorted(range(block_dim + 1, tensor.dim()), key=tensor.stride, reverse=True)
+    ordered = tensor.permute(*outer, block_dim, *inner)
     out: list[torch.Tensor] = []
-    for index in itertools.product(*(range(n) for n in tensor.shape[:block_dim])):
-        sub = tensor[index] if index else tensor
-        if sub.dim() == 1:
-            sub = sub.unsqueeze(1)
-        if not sub[0].is_contiguous():
-            raise LayoutError(
-                f"layer {name}: one block's data is not contiguous (shape {tuple(tensor.shape)}, "
-                f"stride {tuple(tensor.stride())}); tiercache needs per-block contiguous pages"
-            )
+    for index in itertools.product(*(range(ordered.shape[i]) for i in range(len(outer)))):
+        sub = ordered[index] if index else ordered
+        sub = sub.reshape(num_blocks, 1) if sub.dim() == 1 else sub
+        _check_pages(name, tensor, sub)
         flat = sub.flatten(1)
         out.append(flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat)
     return out
+
+
+def _find_block_dim(name: str, shape: tuple[int, ...], num_blocks: int) -> int:
+    """The first dimension of size ``num_blocks`` or a multiple of it (kernel blocks)."""
+    for dim, size in enumerate(shape):
+        if size == num_blocks or (size > num_blocks > 0 and size % num_blocks == 0):
+            return dim
+    raise LayoutError(
+        f"layer {name}: no dimension of size num_blocks={num_blocks} (or a multiple of it) "
+        f"in shape {shape}"
+    )
+
+
+def _check_pages(name: str, tensor: torch.Tensor, sub: torch.Tensor) -> None:
+    """Each block's page must be one dense byte run, not overlapping another block's."""
+    page = sub[0].numel()
+    dense = sub[0].is_contiguous()
+    apart = sub.shape[0] == 1 or abs(sub.stride(0)) >= page
+    if not (dense and apart):
+        raise LayoutError(
+            f"layer {name}: one block's data is not a contiguous byte range (shape "
+            f"{tuple(tensor.shape)}, stride {tuple(tensor.stride())}); tiercache needs "
+            f"per-block contiguous pages"
+        )
 
 
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from tiercache.backends.cpu import HostTier
 from tiercache.backend import JobResult
+from tiercache.backends.cpu import HostTier
 from tiercache.config import FaultConfig
 from tiercache.device import BlockCopier, CopyJob, CopySegment, Direction, make_copier, zero_blocks
 from tiercache.layout import KVBlockLayout
@@ -51,6 +51,7 @@ class TransferEngine:
         num_slots: int,
         faults: FaultConfig | None = None,
         host: HostTier | None = None,
+        copy_threads: int | None = None,
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = blocks_per_chunk
@@ -60,7 +61,9 @@ class TransferEngine:
                 f"host tier slot is {self.host.slot_bytes} bytes, the engine's chunk is "
                 f"{layout.slot_bytes(blocks_per_chunk)} bytes"
             )
-        self.copier: BlockCopier = make_copier(layout, self.host.slab, blocks_per_chunk)
+        self.copier: BlockCopier = make_copier(
+            layout, self.host.slab, blocks_per_chunk, copy_threads=copy_threads
+        )
         self.faults = faults or FaultConfig()
         self._inflight: dict[int, TransferJobSpec] = {}
         self._failed_now: list[JobResult] = []

@@ -1,0 +1,502 @@
+"""Device <-> host-tier throughput of tiercache's real copy path, next to a plain memcpy.
+
+What is measured: stores (engine KV blocks -> host-tier chunk slots) and loads
+(slots -> engine blocks) through :class:`tiercache.transfer.TransferEngine`, i.e.
+the copier the connector uses, over a :class:`tiercache.layout.KVBlockLayout`
+of a realistic engine KV cache: ``--layers`` separately allocated tensors of
+shape ``(num_blocks, 2, block_size, kv_heads, head_dim)`` (vLLM's FlashInfer
+layout; ``--kv-split`` gives FlashAttention's ``(2, num_blocks, ...)``, two
+regions per layer). Each chunk is one job of one segment, its block ids either
+``scattered`` (a random permutation, as a paged allocator hands them out after
+a while) or ``contiguous``. A chunk's size is its bytes over all layers, so a
+chunk of ``S`` bytes holds ``S / bytes_per_block`` blocks; sizes smaller than
+one block are skipped. The default geometry (32 layers of 16 tokens x 1 KV
+head x 32 dims in bf16: 2 KiB pages, 64 KiB blocks) is a small model's, the
+hardest case: many small copies per chunk. A Llama-8B-like one is
+``--kv-heads 8 --head-dim 128 --kv-split --sizes 2M,4M,8M,16M --total 1G``.
+
+Each measurement moves ``--total`` bytes (the engine holds exactly that much KV,
+so every pass streams through memory rather than cache), is warmed up first and
+repeated ``--repeat`` times, interleaved with the references so that load from
+other processes hits both alike; the table shows medians. References, same
+bytes, same run:
+
+* ``memcpy``: the faster of torch ``copy_`` and ``ctypes.memmove`` of one
+  contiguous buffer of ``--total`` bytes: the ceiling the target refers to;
+* ``chunked``: ``ctypes.memmove`` of the same buffer in chunk-sized pieces
+  (what any copy that goes chunk by chunk can reach at best);
+* on CUDA, pinned host <-> device ``copy_(non_blocking=True)`` of one buffer
+  (``cudaMemcpyAsync``), device->host for stores, host->device for loads.
+
+Run: ``python -m bench.host_tier`` (``--help`` for options). Results go to
+``bench/results/host_tier.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from bench.common import describe_machine, machine_info, print_table, write_result
+from tiercache.device import CopySegment, Direction, HostSegmentCopier, default_copy_threads
+from tiercache.layout import KVBlockLayout, block_runs
+from tiercache.transfer import TransferEngine, TransferJobSpec
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_SIZES = "64K,128K,256K,512K,1M,2M,4M"
+GB = 1e9
+
+
+# ------------------------------------------------------------------------------ options
+def parse_bytes(text: str) -> int:
+    """``"256K"`` -> 262144; K, M and G are powers of 1024."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.host_tier",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--sizes", default=DEFAULT_SIZES, help="chunk sizes over all layers (default %(default)s)")
+    add("--total", default="256M", help="bytes moved per measurement (default %(default)s)")
+    add(
+        "--repeat", type=int, default=5, help="measurements per cell; medians are shown (default 5)"
+    )
+    add("--layers", type=int, default=32, help="engine KV tensors, one per layer (default 32)")
+    add("--block-size", type=int, default=16, help="tokens per engine block (default 16)")
+    add("--kv-heads", type=int, default=1, help="KV heads per layer (default 1)")
+    add("--head-dim", type=int, default=32, help="head dimension (default 32)")
+    add("--dtype", choices=sorted(DTYPES), default="bf16", help="KV dtype (default bf16)")
+    add("--kv-split", action="store_true", help="(2, num_blocks, ...) tensors: K and V apart")
+    add("--ids", default="scattered,contiguous", help="block id patterns (default %(default)s)")
+    add(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the engine KV lives: auto = cuda when available (default auto)",
+    )
+    add(
+        "--threads",
+        type=int,
+        default=None,
+        help="copy threads of the host copier (default: tiercache's, 2 where 2 CPUs are usable)",
+    )
+    add(
+        "--per-run-copies",
+        action="store_true",
+        help="force the generic per-run copy_ path (tiercache.device.copy_segments) on the CPU, "
+        "for before/after comparisons",
+    )
+    add("--out", default="host_tier", help="result name under bench/results/ (default %(default)s)")
+    add("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    kv_split: bool
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        page = (self.block_size, self.kv_heads, self.head_dim)
+        return (2, num_blocks, *page) if self.kv_split else (num_blocks, 2, *page)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * elem
+
+
+# ------------------------------------------------------------------------------- engine
+def make_kv_caches(
+    geom: Geometry, num_blocks: int, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """One separately allocated, randomly filled KV tensor per layer, as vLLM registers them.
+
+    All are allocated before any is filled, and filled in place: freeing large
+    temporaries first would make glibc serve the layers from its heap at
+    drifting 64-byte offsets, unlike an engine's large page-aligned tensors.
+    """
+    shape = geom.layer_shape(num_blocks)
+    caches = {
+        f"model.layers.{layer}.self_attn.attn": torch.empty(
+            shape, dtype=DTYPES[geom.dtype], device=device
+        )
+        for layer in range(geom.layers)
+    }
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for raw in caches.values():
+        raw.view(torch.uint8).random_(0, 256, generator=gen)
+    return caches
+
+
+def block_order(num_blocks: int, pattern: str, seed: int) -> list[int]:
+    if pattern == "contiguous":
+        return list(range(num_blocks))
+    if pattern == "scattered":
+        return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    raise SystemExit(f"unknown --ids pattern {pattern!r} (scattered, contiguous)")
+
+
+def make_jobs(
+    direction: Direction, order: list[int], bpc: int, first_id: int = 0
+) -> list[TransferJobSpec]:
+    """One job per chunk: chunk ``c`` <-> slot ``c``."""
+    jobs = []
+    for c in range(len(order) // bpc):
+        seg = CopySegment(c, 0, tuple(order[c * bpc : (c + 1) * bpc]))
+        key = b"%d" % c
+        jobs.append(TransferJobSpec(first_id + c, f"bench-{c}", direction, (key,), (seg,)))
+    return jobs
+
+
+def run_jobs(
+    engine: TransferEngine, jobs: list[TransferJobSpec], sync: Callable[[], None]
+) -> float:
+    """Submit every job, wait for all; seconds from first submit to last completion."""
+    sync()
+    start = time.perf_counter()
+    for job in jobs:
+        engine.submit(job)
+    results = engine.wait_all()
+    sync()
+    secs = time.perf_counter() - start
+    failed = [r for r in results if not r.ok]
+    if failed or len(results) != len(jobs):
+        raise RuntimeError(f"{len(failed)} of {len(jobs)} jobs failed ({len(results)} reported)")
+    return secs
+
+
+def verify(
+    engine: TransferEngine,
+    layout: KVBlockLayout,
+    order: list[int],
+    bpc: int,
+    sync: Callable[[], None],
+) -> None:
+    """Slots hold the engine's bytes after a store; zeroed blocks get them back from a load."""
+    chunks = sorted({0, len(order) // bpc // 2, len(order) // bpc - 1})
+    for c in chunks:
+        ids = torch.tensor(order[c * bpc : (c + 1) * bpc], device=layout.device)
+        expect = torch.cat([r.index_select(0, ids).reshape(-1) for r in _word_views(layout)])
+        slot = engine.host.slot(c).to(layout.device).view(expect.dtype)
+        if not torch.equal(slot, expect):
+            raise AssertionError(f"store of chunk {c}: slot bytes differ from the engine's")
+        for region in _word_views(layout):
+            region.index_fill_(0, ids, 0)
+        seg = CopySegment(c, 0, tuple(order[c * bpc : (c + 1) * bpc]))
+        run_jobs(engine, [TransferJobSpec(-1 - c, "verify", "load", (b"v",), (seg,))], sync)
+        got = torch.cat([r.index_select(0, ids).reshape(-1) for r in _word_views(layout)])
+        if not torch.equal(got, expect):
+            raise AssertionError(f"load of chunk {c}: engine bytes differ from the slot's")
+
+
+def _word_views(layout: KVBlockLayout) -> list[torch.Tensor]:
+    # torch's CPU index_select is very slow on uint8; compare as 32-bit words where possible.
+    words = all(p % 4 == 0 for p in layout.page_bytes)
+    return [r.view(torch.int32) if words else r for r in layout.regions]
+
+
+# --------------------------------------------------------------------------- references
+class References:
+    """Plain copies of ``total`` bytes: the yardsticks for one cell."""
+
+    def __init__(self, total: int, device: torch.device) -> None:
+        self.total = total
+        self.src = torch.ones(total, dtype=torch.uint8)
+        self.dst = torch.zeros(total, dtype=torch.uint8)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.pinned = torch.ones(total, dtype=torch.uint8, pin_memory=True)
+            self.dev = torch.zeros(total, dtype=torch.uint8, device=device)
+
+    def torch_copy(self) -> float:
+        return _timed(lambda: self.dst.copy_(self.src))
+
+    def memmove(self) -> float:
+        return _timed(lambda: ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), self.total))
+
+    def chunked(self, chunk: int) -> float:
+        def run() -> None:
+            src, dst = self.src.data_ptr(), self.dst.data_ptr()
+            for off in range(0, self.total - chunk + 1, chunk):
+                ctypes.memmove(dst + off, src + off, chunk)
+
+        return _timed(run)
+
+    def d2h(self) -> float:
+        return _timed(
+            lambda: self.pinned.copy_(self.dev, non_blocking=True), torch.cuda.synchronize
+        )
+
+    def h2d(self) -> float:
+        return _timed(
+            lambda: self.dev.copy_(self.pinned, non_blocking=True), torch.cuda.synchronize
+        )
+
+
+def _timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------- cells
+@dataclass
+class Cell:
+    chunk_bytes: int
+    ids: str
+    blocks_per_chunk: int
+    copies_per_chunk: float  # region x run copies the generic path issues per chunk
+    numpy_calls_per_chunk: int  # take/put calls of the HostSegmentCopier path (0: not used)
+    store_gbs: float
+    load_gbs: float
+    memcpy_gbs: float  # the ceiling: faster of torch copy_ and memmove, whole buffer
+    torch_copy_gbs: float
+    memmove_gbs: float
+    chunked_memcpy_gbs: float
+    store_vs_memcpy: float  # medians of per-repetition ratios
+    load_vs_memcpy: float
+    cuda_d2h_gbs: float | None = None
+    cuda_h2d_gbs: float | None = None
+    store_vs_d2h: float | None = None
+    load_vs_h2d: float | None = None
+
+
+def measure_cell(
+    args: argparse.Namespace,
+    layout: KVBlockLayout,
+    chunk: int,
+    pattern: str,
+    refs: References,
+    progress: tqdm,
+) -> Cell:
+    bpc = chunk // layout.bytes_per_block
+    num_blocks = (layout.num_blocks // bpc) * bpc
+    device = layout.device
+    order = block_order(num_blocks, pattern, args.seed)
+    engine = TransferEngine(layout, bpc, num_blocks // bpc, copy_threads=args.threads)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    stores, loads = make_jobs("store", order, bpc), make_jobs("load", order, bpc, len(order))
+    try:
+        run_jobs(engine, stores, sync)  # warm-up: touches every slot page
+        run_jobs(engine, loads, sync)
+        verify(engine, layout, order, bpc, sync)
+        samples: dict[str, list[float]] = {}
+        for _ in range(args.repeat):
+            for name, fn in _round(engine, stores, loads, refs, chunk, sync).items():
+                samples.setdefault(name, []).append(fn())
+            progress.update(1)
+    finally:
+        engine.shutdown()
+    copier = getattr(engine.copier, "_segment_copier", None)
+    moved = {name: refs.total for name in samples} | {
+        "store": len(order) * layout.bytes_per_block,
+        "load": len(order) * layout.bytes_per_block,
+    }
+    return _summarize(samples, moved, chunk, pattern, bpc, layout, order, copier)
+
+
+def _round(
+    engine, stores, loads, refs: References, chunk: int, sync
+) -> dict[str, Callable[[], float]]:
+    """One interleaved repetition: every reference and both directions, in seconds."""
+    fns: dict[str, Callable[[], float]] = {
+        "torch_copy": refs.torch_copy,
+        "memmove": refs.memmove,
+        "chunked": lambda: refs.chunked(chunk),
+        "store": lambda: run_jobs(engine, stores, sync),
+        "load": lambda: run_jobs(engine, loads, sync),
+    }
+    if refs.cuda:
+        fns["d2h"], fns["h2d"] = refs.d2h, refs.h2d
+    return fns
+
+
+def _summarize(samples, moved, chunk, pattern, bpc, layout, order, copier) -> Cell:
+    rate = {name: [moved[name] / s / GB for s in secs] for name, secs in samples.items()}
+    med = {name: statistics.median(r) for name, r in rate.items()}
+    ceiling = [max(t, m) for t, m in zip(rate["torch_copy"], rate["memmove"])]
+
+    def ratio(name: str, ref: list[float]) -> float:
+        return statistics.median(a / b for a, b in zip(rate[name], ref))
+
+    runs = statistics.fmean(
+        len(block_runs(order[c * bpc : (c + 1) * bpc])) for c in range(len(order) // bpc)
+    )
+    cell = Cell(
+        chunk_bytes=chunk,
+        ids=pattern,
+        blocks_per_chunk=bpc,
+        copies_per_chunk=round(runs * len(layout.regions), 1),
+        numpy_calls_per_chunk=len(copier.groups) if copier is not None else 0,
+        store_gbs=med["store"],
+        load_gbs=med["load"],
+        memcpy_gbs=statistics.median(ceiling),
+        torch_copy_gbs=med["torch_copy"],
+        memmove_gbs=med["memmove"],
+        chunked_memcpy_gbs=med["chunked"],
+        store_vs_memcpy=ratio("store", ceiling),
+        load_vs_memcpy=ratio("load", ceiling),
+    )
+    if "d2h" in rate:
+        cell.cuda_d2h_gbs, cell.cuda_h2d_gbs = med["d2h"], med["h2d"]
+        cell.store_vs_d2h, cell.load_vs_h2d = (
+            ratio("store", rate["d2h"]),
+            ratio("load", rate["h2d"]),
+        )
+    return cell
+
+
+# ---------------------------------------------------------------------------------- main
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: CUDA is not available")
+        return torch.device("cuda")
+    print(
+        "CUDA not available (or --device cpu): the engine KV lives in host memory, as on vLLM's "
+        "CPU platform; skipping the pinned cudaMemcpyAsync comparison.",
+        file=sys.stderr,
+    )
+    return torch.device("cpu")
+
+
+def print_cells(cells: list[Cell], title: str) -> None:
+    headers = [
+        "chunk",
+        "ids",
+        "blocks",
+        "copies",
+        "store GB/s",
+        "load GB/s",
+        "memcpy GB/s",
+        "chunked GB/s",
+        "store/memcpy",
+        "load/memcpy",
+    ]
+    rows = []
+    for c in cells:
+        row = [
+            human_bytes(c.chunk_bytes),
+            c.ids,
+            c.blocks_per_chunk,
+            f"{c.copies_per_chunk:g}",
+            f"{c.store_gbs:.2f}",
+            f"{c.load_gbs:.2f}",
+            f"{c.memcpy_gbs:.2f}",
+            f"{c.chunked_memcpy_gbs:.2f}",
+            f"{c.store_vs_memcpy:.0%}",
+            f"{c.load_vs_memcpy:.0%}",
+        ]
+        if c.cuda_d2h_gbs is not None:
+            row += [
+                f"{c.cuda_d2h_gbs:.2f}",
+                f"{c.cuda_h2d_gbs:.2f}",
+                f"{c.store_vs_d2h:.0%}",
+                f"{c.load_vs_h2d:.0%}",
+            ]
+        rows.append(row)
+    if cells and cells[0].cuda_d2h_gbs is not None:
+        headers += ["D2H GB/s", "H2D GB/s", "store/D2H", "load/H2D"]
+    print_table(headers, rows, title)
+
+
+def usable_sizes(sizes: list[int], geom: Geometry) -> list[int]:
+    """The chunk sizes that are whole numbers of blocks; the others are reported and dropped."""
+    usable = [s for s in sizes if s >= geom.bytes_per_block and s % geom.bytes_per_block == 0]
+    for s in sorted(set(sizes) - set(usable)):
+        print(
+            f"skipping chunk size {human_bytes(s)}: not a multiple of one block "
+            f"({geom.bytes_per_block} bytes)",
+            file=sys.stderr,
+        )
+    return usable
+
+
+def run_cells(
+    args: argparse.Namespace, layout: KVBlockLayout, sizes: list[int], refs: References
+) -> list[Cell]:
+    patterns = [p.strip() for p in args.ids.split(",") if p.strip()]
+    cells: list[Cell] = []
+    with tqdm(total=len(sizes) * len(patterns) * args.repeat, desc="host tier", unit="rep") as bar:
+        for chunk in sizes:
+            for pattern in patterns:
+                bar.set_postfix_str(f"{human_bytes(chunk)} {pattern}")
+                cells.append(measure_cell(args, layout, chunk, pattern, refs, bar))
+    return cells
+
+
+def describe_run(
+    args: argparse.Namespace, geom: Geometry, device: torch.device, total: int, machine: dict
+) -> str:
+    lead = "2, num_blocks" if geom.kv_split else "num_blocks, 2"
+    shape = f"({lead}, {geom.block_size}, {geom.kv_heads}, {geom.head_dim})"
+    page = geom.bytes_per_block // geom.layers // (2 if geom.kv_split else 1)
+    if device.type == "cuda":
+        copier = "CUDA streams"
+    else:
+        copier = f"{args.threads or default_copy_threads()} copy thread(s)"
+        copier += ", per-run copies" if args.per_run_copies else ""
+    return (
+        f"host tier {device.type}: {geom.layers} layers of {shape} {geom.dtype}, "
+        f"{geom.bytes_per_block} B/block, {page} B/page, {human_bytes(total)} per measurement, "
+        f"median of {args.repeat}, {copier}\n{describe_machine(machine)}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    if args.per_run_copies:
+        HostSegmentCopier.build = classmethod(lambda cls, *a: None)  # type: ignore[method-assign]
+    geom = Geometry(
+        args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype, args.kv_split
+    )
+    sizes = usable_sizes([parse_bytes(s) for s in args.sizes.split(",")], geom)
+    num_blocks = parse_bytes(args.total) // geom.bytes_per_block
+    kv_caches = make_kv_caches(geom, num_blocks, device, args.seed)
+    layout = KVBlockLayout.from_kv_caches(kv_caches, num_blocks)
+    refs = References(num_blocks * geom.bytes_per_block, device)
+    cells = run_cells(args, layout, sizes, refs)
+    machine = machine_info(packages=("torch", "numpy"))
+    print_cells(cells, describe_run(args, geom, device, refs.total, machine))
+    results = {
+        "geometry": asdict(geom),
+        "bytes_per_block": geom.bytes_per_block,
+        "device": device.type,
+        "cells": [asdict(c) for c in cells],
+    }
+    path = write_result(args.out, results, options=vars(args), machine=machine)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Tests of the CUDA copier (tiercache/device.py, CudaStreamCopier): run only where CUDA is.
+
+The same store/load round trip as the host copier's, between device KV
+tensors and a pinned slab, plus the stream-ordering contract (DESIGN.md
+section 4): a store reads what the compute stream wrote before it was
+submitted, ``fence_stores`` keeps the compute stream from overwriting blocks
+a store is still reading, and a load is reported only once its copy is done.
+``torch.cuda._sleep`` keeps a stream busy so that a missing event would show
+up as a race that loses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tiercache.device import CopyJob, CopySegment, CudaStreamCopier, make_copier
+from tiercache.layout import KVBlockLayout
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+NUM_BLOCKS = 64
+BPC = 4
+LAYERS = 3
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of a busy stream on current GPUs
+
+SEGMENTS = (
+    CopySegment(0, 0, (5, 17, 2, 40)),  # scattered
+    CopySegment(1, 0, (8, 9, 10, 11)),  # consecutive
+    CopySegment(2, 1, (30, 31)),  # partial
+    CopySegment(3, 3, (63,)),  # partial, last position
+)
+
+
+def make_kvs(dtype: torch.dtype, kv_split: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lead = (2, NUM_BLOCKS) if kv_split else (NUM_BLOCKS, 2)
+    return {
+        f"layer.{i}": torch.randn(*lead, 16, 2, 32, device="cuda", generator=gen).to(dtype)
+        for i in range(LAYERS)
+    }
+
+
+def pages_of(kvs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each region as (num_blocks, page) bytes on the host, from the shapes alone."""
+    out = []
+    for t in kvs.values():
+        subs = [t[0], t[1]] if t.shape[0] == 2 and t.shape[1] == NUM_BLOCKS else [t]
+        out.extend(s.reshape(NUM_BLOCKS, -1).view(torch.uint8).cpu() for s in subs)
+    return out
+
+
+def expected_slot(kvs: dict[str, torch.Tensor], seg: CopySegment, slot_bytes: int) -> torch.Tensor:
+    slot = torch.zeros(slot_bytes, dtype=torch.uint8)
+    base = 0
+    for pages in pages_of(kvs):
+        page = pages.shape[1]
+        for pos, block in enumerate(seg.block_ids):
+            start = base + (seg.first_block + pos) * page
+            slot[start : start + page] = pages[block]
+        base += page * BPC
+    return slot
+
+
+@pytest.fixture
+def copiers() -> Iterator[list[CudaStreamCopier]]:
+    made: list[CudaStreamCopier] = []
+    yield made
+    for copier in made:
+        copier.close()
+
+
+def new_copier(kvs: dict[str, torch.Tensor], slots: int, made: list) -> CudaStreamCopier:
+    layout = KVBlockLayout.from_kv_caches(kvs, NUM_BLOCKS)
+    slab = torch.zeros(slots, layout.slot_bytes(BPC), dtype=torch.uint8, pin_memory=True)
+    copier = make_copier(layout, slab, BPC)
+    assert isinstance(copier, CudaStreamCopier)
+    made.append(copier)
+    return copier
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_split", [False, True], ids=["kv-in-block", "kv-apart"])
+def test_round_trip_through_pinned_slab(dtype: torch.dtype, kv_split: bool, copiers: list) -> None:
+    kvs = make_kvs(dtype, kv_split)
+    copier = new_copier(kvs, len(SEGMENTS), copiers)
+    slot_bytes = copier.slab.shape[1]
+    copier.submit(CopyJob(1, "store", SEGMENTS))
+    (done,) = copier.wait_all()
+    assert done.ok and done.bytes == sum(len(s.block_ids) for s in SEGMENTS) * slot_bytes // BPC
+    for seg in SEGMENTS:
+        assert torch.equal(copier.slab[seg.slot], expected_slot(kvs, seg, slot_bytes)), seg
+
+    before = {name: t.clone() for name, t in kvs.items()}
+    for t in kvs.values():
+        t.zero_()
+    copier.submit(CopyJob(2, "load", SEGMENTS))
+    (done,) = copier.wait_all()
+    assert done.ok
+    loaded = sorted({b for seg in SEGMENTS for b in seg.block_ids})
+    other = sorted(set(range(NUM_BLOCKS)) - set(loaded))
+    for name, t in kvs.items():
+        dim = 1 if kv_split else 0
+        idx = torch.tensor(loaded, device="cuda")
+        rest = torch.tensor(other, device="cuda")
+        assert torch.equal(
+            t.index_select(dim, idx).view(torch.uint8),
+            before[name].index_select(dim, idx).view(torch.uint8),
+        )
+        assert int(t.index_select(dim, rest).view(torch.uint8).count_nonzero()) == 0
+
+
+def test_bad_segment_is_a_failed_job(copiers: list) -> None:
+    copier = new_copier(make_kvs(torch.float32, False), 1, copiers)
+    copier.submit(CopyJob(1, "load", (CopySegment(5, 0, (1,)),)))
+    copier.submit(CopyJob(2, "store", (CopySegment(0, 0, (1, 2)),)))
+    done = {d.job_id: d for d in copier.wait_all()}
+    assert not done[1].ok and done[1].bytes == 0 and "out of range" in done[1].error
+    assert done[2].ok
+
+
+def test_store_sees_what_the_compute_stream_wrote_before_submit(copiers: list) -> None:
+    kvs = make_kvs(torch.float32, False)
+    copier = new_copier(kvs, 1, copiers)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream is busy...
+    for t in kvs.values():
+        t[:BPC].fill_(3.0)  # ...then writes the blocks
+    copier.submit(CopyJob(1, "store", (CopySegment(0, 0, tuple(range(BPC))),)))
+    assert copier.wait_all()[0].ok
+    assert bool((copier.slab[0].view(torch.float32) == 3.0).all())
+
+
+def test_fence_stores_holds_back_overwrites(copiers: list) -> None:
+    kvs = make_kvs(torch.float32, False)
+    for t in kvs.values():
+        t.fill_(1.0)
+    copier = new_copier(kvs, 1, copiers)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the store below starts only after this
+    copier.submit(CopyJob(1, "store", (CopySegment(0, 0, tuple(range(BPC))),)))
+    copier.fence_stores()  # the next forward pass: must not overwrite blocks still being read
+    for t in kvs.values():
+        t[:BPC].fill_(2.0)
+    torch.cuda.synchronize()
+    assert copier.wait_all()[0].ok
+    assert bool((copier.slab[0].view(torch.float32) == 1.0).all())
+
+
+def test_load_reported_only_after_its_copy(copiers: list) -> None:
+    kvs = make_kvs(torch.float32, False)
+    copier = new_copier(kvs, 1, copiers)
+    copier.slab[0].view(torch.float32).fill_(5.0)
+    for t in kvs.values():
+        t.zero_()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the load waits for the compute stream
+    copier.submit(CopyJob(1, "load", (CopySegment(0, 0, tuple(range(BPC))),)))
+    assert copier.poll() == []  # not done while the compute stream still sleeps
+    done = []
+    while not done:
+        done = copier.poll()
+    assert done[0].ok
+    # Reported done: attention on the compute stream now reads the loaded values.
+    for t in kvs.values():
+        assert bool((t[:BPC] == 5.0).all())
+        assert int(t[BPC:].count_nonzero()) == 0
