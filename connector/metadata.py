@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from tiercache.pipeline import DemoteJobSpec
 from tiercache.transfer import TransferJobSpec
 
 
@@ -24,6 +25,12 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     # sync: the loads must be complete before this step's forward pass reads them;
     # async: their requests wait off the batch until get_finished reports them.
     loads_are_sync: bool = False
+    # load job id -> per key: the lower tier it is staged from, or None (host tier)
+    staging: dict[int, tuple[str | None, ...]] = field(default_factory=dict)
+    # blocks promised to vLLM that could not be planned (no staging slot): recompute
+    invalid_block_ids: list[int] = field(default_factory=list)
+    demotes: list[DemoteJobSpec] = field(default_factory=list)
+    deletes: dict[str, list[bytes]] = field(default_factory=dict)
 
 
 @dataclass

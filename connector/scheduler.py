@@ -23,7 +23,10 @@ from tiercache.device import CopySegment
 from tiercache.events import ChunkEvent
 from tiercache.manager import OffloadingManager, TierSpec
 from tiercache.metrics import TierCacheMetrics
+from tiercache.pipeline import DemoteJobSpec
 from tiercache.transfer import TransferJobSpec
+
+from tiercache.connector.lower_tiers import lower_tier_specs, recover_lower_tiers
 
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
@@ -46,8 +49,8 @@ class _RequestState:
 
 @dataclass
 class _JobRecord:
-    direction: str
-    req_id: str
+    direction: str  # load | store | demote
+    req_id: str  # the request, or the lower tier's name for a demotion
     keys: tuple[bytes, ...]
     reports_left: int
     failed: set[bytes] = field(default_factory=set)
@@ -67,7 +70,13 @@ class TierCacheScheduler:
         self.bpc = geometry.blocks_per_chunk
         self.keys = geometry.keyspace(config)
         host = config.host_tier
-        self.manager = OffloadingManager([TierSpec(host.name, geometry.host_slots, host.policy)])
+        self.manager = OffloadingManager(
+            [TierSpec(host.name, geometry.host_slots, host.policy), *lower_tier_specs(config, geometry)]
+        )
+        self._chunk_bytes_by_tier = {t.name: geometry.slot_bytes for t in config.tiers}
+        self._step_deletes: dict[str, list[bytes]] = {}
+        for tier_name, extra in recover_lower_tiers(config, geometry, self.keys.digest, self.manager).items():
+            self._step_deletes.setdefault(tier_name, []).extend(extra)
         self.metrics = metrics or TierCacheMetrics()
         self.metrics.label(self.metrics.capacity_bytes, host.name).set(
             geometry.host_slots * geometry.slot_bytes
@@ -78,6 +87,8 @@ class TierCacheScheduler:
         self._jobs: dict[int, _JobRecord] = {}
         self._next_job_id = 0
         self._step_loads: list[TransferJobSpec] = []
+        self._step_staging: dict[int, tuple[str | None, ...]] = {}
+        self._step_invalid: list[int] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self._counters: dict[str, float] = {}
         self._last_evictions = 0
@@ -145,13 +156,26 @@ class TierCacheScheduler:
         keys = tuple(self.keys.chunk_keys(request.block_hashes)[first_chunk : last_chunk + 1])
         plan = self.manager.prepare_load(keys)
         segments: list[CopySegment] = []
+        tokens_by_tier: dict[str, int] = {}
         for i, chunk in enumerate(range(first_chunk, last_chunk + 1)):
             lo = max(start, chunk * ct) // bs
             hi = -(-min(end, (chunk + 1) * ct) // bs)  # a partial last block loads whole
+            if i >= len(plan.keys):
+                # No host slot could be freed to stage this chunk: a failed load, recomputed.
+                self._step_invalid.extend(block_ids[lo:hi])
+                continue
             segments.append(CopySegment(plan.slots[i], lo - chunk * bpc, tuple(block_ids[lo:hi])))
-        self._step_loads.append(self._new_job("load", request.request_id, keys, tuple(segments)))
-        for tier in set(plan.tiers):
-            self.metrics.label(self.metrics.hit_tokens, tier).inc(num_external_tokens)
+            tier = plan.tiers[i]
+            tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + min(end, (chunk + 1) * ct) - max(start, chunk * ct)
+        job = self._new_job("load", request.request_id, plan.keys, tuple(segments))
+        self._step_loads.append(job)
+        if any(plan.staged):
+            self._step_staging[job.job_id] = tuple(
+                t if staged else None for t, staged in zip(plan.tiers, plan.staged)
+            )
+        for tier, tokens in tokens_by_tier.items():
+            self.metrics.label(self.metrics.hit_tokens, tier).inc(tokens)
+            self._count(f"hit_tokens_{tier}", tokens)
         self._count("hit_tokens", num_external_tokens)
         self._count("load_jobs", 1)
 
@@ -173,10 +197,22 @@ class TierCacheScheduler:
                 st.next_store_chunk = 0  # re-offer on resume; present chunks are skipped
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
+        demotes = [
+            DemoteJobSpec(self._new_job("demote", p.tier, p.keys, ()).job_id, p.tier, p.keys, p.host_slots)
+            for p in self.manager.prepare_demotions()
+        ]
+        for tier_name, keys in self.manager.take_deletes().items():
+            self._step_deletes.setdefault(tier_name, []).extend(keys)
         meta = TierCacheConnectorMetadata(
-            loads=self._step_loads, stores=stores, loads_are_sync=not self._async_loads
+            loads=self._step_loads,
+            stores=stores,
+            loads_are_sync=not self._async_loads,
+            staging=self._step_staging,
+            invalid_block_ids=self._step_invalid,
+            demotes=demotes,
+            deletes=self._step_deletes,
         )
-        self._step_loads = []
+        self._step_loads, self._step_staging, self._step_invalid, self._step_deletes = [], {}, [], {}
         self._sync_tier_metrics()
         return meta
 
@@ -218,7 +254,7 @@ class TierCacheScheduler:
                 continue
             rec.reports_left -= report.reports
             rec.failed |= report.failed_keys
-            path = "host_to_device" if rec.direction == "load" else "device_to_host"
+            path = {"load": "host_to_device", "store": "device_to_host"}.get(rec.direction, f"host_to_{rec.req_id}")
             self.metrics.observe_transfer(path, report.bytes, report.secs)
             self._count(f"{rec.direction}_bytes", report.bytes)
             self._count(f"{rec.direction}_secs", report.secs)
@@ -232,11 +268,14 @@ class TierCacheScheduler:
             self.metrics.label(self.metrics.failures, rec.direction).inc(len(rec.failed))
             self._count(f"failed_{rec.direction}_chunks", len(rec.failed))
         if rec.direction == "load":
-            self.manager.complete_load(rec.keys)
+            self.manager.complete_load(rec.keys, failed=rec.failed)
             if rec.failed:
                 # A chunk that failed to load is dropped, so the recompute that vLLM now
                 # schedules does not look it up and fail on it again (a livelock).
                 self.manager.discard(list(rec.failed))
+            return
+        if rec.direction == "demote":
+            self.manager.complete_demotion(rec.req_id, rec.keys, failed=rec.failed)
             return
         ok = [k for k in rec.keys if k not in rec.failed]
         self.manager.complete_store(ok, ok=True)

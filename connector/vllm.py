@@ -54,6 +54,16 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ROLES = ("kv_both",)
 
 
+def _worker_rank() -> int:
+    """This worker's rank in its TP group (0 when there is no group yet)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
@@ -90,7 +100,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler.keys.digest.hex(),
             )
         else:
-            self._worker = TierCacheWorker(self.config, geometry, kv_cache_config.num_blocks)
+            self._worker = TierCacheWorker(
+                self.config, geometry, kv_cache_config.num_blocks, rank=_worker_rank()
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -22,7 +22,11 @@ import torch
 
 from tiercache.config import ConfigError, TierCacheConfig
 from tiercache.layout import KVBlockLayout
+from tiercache.pipeline import WorkerPipeline
+from tiercache.tier_io import TierIO
 from tiercache.transfer import TransferEngine, TransferJobSpec
+
+from tiercache.connector.lower_tiers import make_backends
 
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
@@ -31,11 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 class TierCacheWorker:
-    def __init__(self, config: TierCacheConfig, geometry: ChunkGeometry, num_blocks: int) -> None:
+    def __init__(
+        self, config: TierCacheConfig, geometry: ChunkGeometry, num_blocks: int, rank: int = 0
+    ) -> None:
         self.config = config
         self.geometry = geometry
         self.num_blocks = num_blocks
-        self.engine: TransferEngine | None = None
+        self.rank = rank
+        self.engine: WorkerPipeline | None = None
         self._loads: dict[int, TransferJobSpec] = {}
         self._sync_jobs: set[int] = set()
         self._finished_recving: set[str] = set()
@@ -50,22 +57,28 @@ class TierCacheWorker:
                 f"tiercache: the KV tensors hold {layout.bytes_per_block} bytes per block, the "
                 f"KV-cache config says {expected}; unsupported KV layout"
             )
-        self.engine = TransferEngine(
+        transfer = TransferEngine(
             layout,
             self.geometry.blocks_per_chunk,
             self.geometry.host_slots,
             faults=self.config.faults,
+            copy_threads=self.config.copy_threads,
         )
+        digest = self.geometry.keyspace(self.config).digest
+        backends = make_backends(self.config, self.geometry, digest, self.rank)
+        tier_io = TierIO(backends, transfer.host.slab) if backends else None
+        self.engine = WorkerPipeline(transfer, tier_io)
         logger.info(
-            "tiercache worker: %d regions, %d B/block, host tier %d slots x %d B (%s)",
+            "tiercache worker: %d regions, %d B/block, host tier %d slots x %d B (%s), lower tiers %s",
             len(layout.regions),
             layout.bytes_per_block,
             self.geometry.host_slots,
             self.geometry.slot_bytes,
-            "pinned" if self.engine.host.pinned else "pageable",
+            "pinned" if transfer.host.pinned else "pageable",
+            sorted(backends) or "none",
         )
 
-    def _engine(self) -> TransferEngine:
+    def _engine(self) -> WorkerPipeline:
         if self.engine is None:
             raise RuntimeError("tiercache: register_kv_caches was not called")
         return self.engine
@@ -76,21 +89,25 @@ class TierCacheWorker:
 
     def start_load_kv(self, meta: TierCacheConnectorMetadata) -> None:
         engine = self._engine()
+        self._invalid_blocks.update(meta.invalid_block_ids)
         for spec in meta.loads:
             self._loads[spec.job_id] = spec
-            engine.submit(spec)
+            engine.submit(spec, meta.staging.get(spec.job_id, ()))
         if meta.loads and meta.loads_are_sync:
             # vLLM calls this before the forward pass when a step has sync loads; the
-            # blocks must hold their KV before attention reads them. Earlier stores were
-            # already fenced in handle_preemptions, so this waits for the loads only.
+            # blocks must hold their KV before attention reads them (staged chunks are
+            # read from their lower tier first). Earlier stores were fenced already.
             for spec in meta.loads:
                 self._sync_jobs.add(spec.job_id)
-            self._absorb(engine.wait_all())
+            self._absorb(engine.wait_for([spec.job_id for spec in meta.loads]))
 
     def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
         engine = self._engine()
+        engine.delete(meta.deletes)  # before the demotions, so the budget has room for them
         for spec in meta.stores:
             engine.submit(spec)
+        for demote in meta.demotes:
+            engine.submit_demote(demote)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         if self.engine is not None:

@@ -71,6 +71,11 @@ class Backend(ABC):
     # Plugins are constructed as ``cls(settings, context)`` by tiercache.plugins;
     # ``settings`` is an instance of ``settings_model`` built from the tier's options.
 
+    @classmethod
+    def footprint(cls, chunk_bytes: int) -> int:
+        """Bytes one chunk takes on the medium (framing, padding); sizes the tier's slot count."""
+        return chunk_bytes + 4096
+
     @abstractmethod
     def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
         """Start writing ``views[i]`` under ``keys[i]``; report through :meth:`poll`."""

@@ -53,6 +53,11 @@ class TierConfig(_Frozen):
     )
     capacity: ByteSize = Field(description="Byte budget this tier never exceeds.")
     policy: PolicyName = Field(default="lru", description="Eviction policy of this tier.")
+    mode: Literal["write_through", "write_back"] = Field(
+        default="write_through",
+        description="Lower tiers: receive every chunk the host tier stores (write_through), or "
+        "the host tier's coldest chunks when it runs full (write_back).",
+    )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Backend-specific settings, validated by the backend."
     )
@@ -66,7 +71,7 @@ class FaultConfig(_Frozen):
     )
     corrupt_loads: bool = Field(
         default=False,
-        description="Loads succeed but add noise to the loaded blocks (negative controls only).",
+        description="Loads succeed but zero the loaded blocks (negative controls only).",
     )
 
 
@@ -111,8 +116,11 @@ class TierCacheConfig(BaseSettings):
         "time-to-first-token); async: the request waits off the batch until its load is done "
         "(other requests keep running meanwhile).",
     )
-    copy_threads: int = Field(
-        default=1, ge=1, le=16, description="Host-side copy threads on the CPU platform."
+    copy_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="Host-side copy threads on the CPU platform (default: 2, at most the usable cores).",
     )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)

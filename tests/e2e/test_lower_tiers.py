@@ -1,0 +1,111 @@
+"""Disk and LMDB tiers behind a host tier too small for the working set, on a real vLLM engine.
+
+Engines (tiny random-weight Llama, float32, same settings for all):
+
+* ``baseline``: no connector;
+* ``disk``: host tier of 4 chunks in front of a disk tier (write-through);
+  round 2 runs after ``reset_prefix_cache()`` and must hit chunks that only
+  the disk tier still holds, with greedy tokens identical to the baseline;
+* ``disk_restart``: a new engine process on the same disk directory: its very
+  first pass hits from disk (warm restart through ``recover()``);
+* ``lmdb``: the same as ``disk`` with an LMDB tier.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+from tiercache.testing.engine_runner import random_prompts, run_engine
+
+from .conftest import free_port
+
+CHUNK = 128
+HOST_CHUNKS = 6  # one request's 4 chunks fit as staging; the working set (24) does not
+PROMPTS = random_prompts(6, 520, seed=21)  # 4 full chunks each: 24 chunks, 6x the host tier
+
+
+def rounds() -> list[dict[str, Any]]:
+    return [
+        {"prompts": random_prompts(1, 64, seed=98), "max_tokens": 2, "warmup": True},
+        {"prompts": PROMPTS, "max_tokens": 12, "sequential": True},
+        # One request at a time: each stages its own 4 chunks through the small host tier.
+        {"prompts": PROMPTS, "max_tokens": 12, "reset_prefix_cache_before": True, "sequential": True},
+    ]
+
+
+def lower_tier(kind: str, path: pathlib.Path) -> dict[str, Any]:
+    options = {"root": str(path)} if kind == "disk" else {"path": str(path)}
+    return {"name": kind, "backend": kind, "capacity": "256MiB", "options": options}
+
+
+def spec(model: pathlib.Path, kind: str | None, path: pathlib.Path | None) -> dict[str, Any]:
+    port = free_port() if kind else None
+    kv = None
+    if kind:
+        kv = {
+            "kv_connector": "TierCacheConnector",
+            "kv_connector_module_path": "tiercache.connector.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "chunk_tokens": CHUNK,
+                "tiers": [
+                    {"name": "cpu", "backend": "cpu", "capacity": HOST_CHUNKS * CHUNK * 4096},
+                    lower_tier(kind, path),  # type: ignore[arg-type]
+                ],
+                "metrics": {"port": port},
+            },
+        }
+    return {
+        "model_dir": str(model),
+        "dtype": "float32",
+        "block_size": 32,
+        "max_model_len": 1024,
+        "kv_transfer_config": kv,
+        "tiercache_metrics_url": f"http://127.0.0.1:{port}/metrics" if port else None,
+        "rounds": rounds(),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("lower-tiers")
+    disk, lmdb = tmp / "disk-tier", tmp / "lmdb-tier"
+    out = {"baseline": run_engine(spec(tiny_model, None, None), timeout_s=400, workdir=tmp / "baseline")}
+    out["disk"] = run_engine(spec(tiny_model, "disk", disk), timeout_s=400, workdir=tmp / "disk")
+    out["disk_restart"] = run_engine(spec(tiny_model, "disk", disk), timeout_s=400, workdir=tmp / "restart")
+    out["lmdb"] = run_engine(spec(tiny_model, "lmdb", lmdb), timeout_s=400, workdir=tmp / "lmdb")
+    return out
+
+
+def tokens(result: dict[str, Any]) -> list[list[list[int]]]:
+    return [[r["output_token_ids"] for r in rnd["requests"]] for rnd in result["rounds"]]
+
+
+def tier_hits(result: dict[str, Any], rnd: int, tier: str) -> float:
+    def at(i: int) -> float:
+        samples = result["rounds"][i]["tiercache_metrics"]
+        return sum(v for k, v in samples.items() if k.startswith("tiercache_hit_tokens_total") and f'tier="{tier}"' in k)
+
+    return at(rnd) - (at(rnd - 1) if rnd else 0.0)
+
+
+@pytest.mark.parametrize("kind", ["disk", "disk_restart", "lmdb"])
+def test_output_identical(runs: dict[str, dict[str, Any]], kind: str) -> None:
+    assert tokens(runs[kind]) == tokens(runs["baseline"])
+
+
+@pytest.mark.parametrize("kind", ["disk", "lmdb"])
+def test_lower_tier_serves_what_the_host_tier_evicted(runs: dict[str, dict[str, Any]], kind: str) -> None:
+    assert tier_hits(runs[kind], 2, kind) > 0, runs[kind]["rounds"][2]["tiercache_metrics"]
+    cached = [r["num_cached_tokens"] for r in runs[kind]["rounds"][2]["requests"]]
+    # After the reset every prompt is served from tiercache (host + lower tier): 4 chunks each.
+    assert all(c == 4 * CHUNK for c in cached), cached
+
+
+def test_restart_hits_from_disk_on_the_first_pass(runs: dict[str, dict[str, Any]]) -> None:
+    first_pass = runs["disk_restart"]["rounds"][1]
+    assert tier_hits(runs["disk_restart"], 1, "disk") > 0, first_pass["tiercache_metrics"]
+    assert all(r["num_cached_tokens"] == 4 * CHUNK for r in first_pass["requests"])
