@@ -1,0 +1,54 @@
+"""Connector pieces that need vLLM's types but no engine: events, stats, worker metadata."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+
+from tiercache.connector.events import to_vllm_events  # noqa: E402
+from tiercache.connector.metadata import TierCacheWorkerMetadata  # noqa: E402
+from tiercache.connector.stats import TierCacheStats  # noqa: E402
+from tiercache.events import ChunkEvent, EventKind  # noqa: E402
+
+NS = b"\x01" * 8
+
+
+def key(i: int) -> bytes:
+    return NS + bytes([i]) * 32 + (0).to_bytes(4, "big")
+
+
+def test_events_carry_engine_prefix_hashes_and_tier() -> None:
+    events = to_vllm_events(
+        [ChunkEvent(EventKind.STORED, "cpu", (key(1), key(2))), ChunkEvent(EventKind.REMOVED, "disk", (key(1),))],
+        chunk_tokens=256,
+    )
+    stored, removed = events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert stored.medium == "cpu" and removed.medium == "disk" and stored.block_size == 256
+    assert len(stored.block_hashes) == 2 and len(removed.block_hashes) == 1
+
+
+def test_stats_aggregate_and_reduce() -> None:
+    a = TierCacheStats.from_counters({"hit_tokens": 10, "load_bytes": 2e9, "load_secs": 1.0})
+    b = TierCacheStats.from_counters({"hit_tokens": 5, "load_bytes": 2e9, "load_secs": 1.0})
+    merged = a.aggregate(b)
+    assert merged.data["hit_tokens"] == 15
+    assert merged.reduce()["load_GBps"] == 2.0
+    assert not merged.is_empty()
+    merged.reset()
+    assert merged.is_empty()
+
+
+def test_worker_metadata_aggregates_over_tp_ranks() -> None:
+    rank0, rank1 = TierCacheWorkerMetadata(), TierCacheWorkerMetadata()
+    rank0.add(7, (), 100, 0.5)
+    rank1.add(7, (key(3),), 100, 0.7)
+    rank1.add(8, (), 50, 0.1)
+    merged = rank0.aggregate(rank1)
+    assert isinstance(merged, TierCacheWorkerMetadata)
+    job7 = merged.done[7]
+    assert (job7.reports, job7.failed_keys, job7.bytes, job7.secs) == (2, {key(3)}, 200, 0.7)
+    assert merged.done[8].reports == 1
