@@ -317,9 +317,16 @@ class OffloadingManager:
             tier.policy.insert_many(stored[::-1])
             tier.stats.stored_chunks += len(stored)
             self._events.append(ChunkEvent(EventKind.STORED, tier.name, tuple(stored)))
+            pins = tier.pins
             for lower in self.lower:
                 if lower.spec.mode == "write_through":
-                    self._demote_queue[lower.name].update(dict.fromkeys(stored))
+                    # Pinned until copied down: the host tier must not evict a chunk
+                    # before its write-through copy exists (or is given up).
+                    queue = self._demote_queue[lower.name]
+                    for key in stored:
+                        if key not in queue:
+                            queue[key] = None
+                            pins[key] = pins.get(key, 0) + 1
 
     def discard(self, keys: Sequence[bytes], ctx: object = None) -> int:
         """Drop chunks that proved unusable (a failed load, a bad checksum) from every tier.
@@ -366,6 +373,10 @@ class OffloadingManager:
                 candidates = self._write_back_candidates(tier, max_keys)
             if not candidates:
                 continue
+            if tier.spec.mode != "write_through":  # queued write-through keys are pinned already
+                pins = host.pins
+                for key in candidates:
+                    pins[key] = pins.get(key, 0) + 1
             shortfall = len(candidates) - len(tier.free_slots)
             if shortfall > 0:
                 evicted = tier.evict(shortfall)
@@ -374,13 +385,11 @@ class OffloadingManager:
                     self._deletes[tier.name].extend(evicted)
                 fit = min(len(candidates), len(tier.free_slots))
                 tier.stats.store_refused += len(candidates) - fit
+                self.complete_load(candidates[fit:])  # given up: release their host pins
                 candidates = candidates[:fit]
             if not candidates:
                 continue
             tier.storing.update(zip(candidates, tier.take_slots(len(candidates))))
-            pins = host.pins
-            for key in candidates:
-                pins[key] = pins.get(key, 0) + 1
             plans.append(
                 DemotePlan(tier.name, tuple(candidates), tuple(host.ready[k] for k in candidates))
             )
@@ -390,11 +399,16 @@ class OffloadingManager:
         queue = self._demote_queue[tier.name]
         host_ready = self.host.ready
         out: list[bytes] = []
+        dropped: list[bytes] = []
         while queue and len(out) < max_keys:
             key = next(iter(queue))
             del queue[key]
             if key in host_ready and key not in tier.ready and key not in tier.storing:
                 out.append(key)
+            else:
+                dropped.append(key)
+        if dropped:
+            self.complete_load(dropped)  # release the pins taken when they were queued
         return out
 
     def _write_back_candidates(self, tier: TierDirectory, max_keys: int) -> list[bytes]:
@@ -482,7 +496,11 @@ class OffloadingManager:
 
         Chunks being loaded (pinned) or stored stay until their job completes, so
         no in-flight copy ever reads or writes a slot that was handed out again.
+        Pending write-through copies are abandoned first (their pins released).
         """
+        for queue in self._demote_queue.values():
+            self.complete_load(list(queue))
+            queue.clear()
         dropped = 0
         for tier in self.tiers:
             keys = tier.drop_unpinned()
@@ -491,8 +509,6 @@ class OffloadingManager:
                 if tier is not self.host:
                     self._deletes[tier.name].extend(keys)
             dropped += len(keys)
-        for queue in self._demote_queue.values():
-            queue.clear()
         return dropped
 
     def shutdown(self) -> None:

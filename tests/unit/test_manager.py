@@ -483,7 +483,7 @@ def two_tiers(policy: str, host: int = 2, disk: int = 4, mode: str = "write_thro
 
 
 def test_lookup_and_staged_load_across_tiers(policy: str) -> None:
-    m = two_tiers(policy)
+    m = two_tiers(policy, mode="write_back")  # no copies go down on their own here
     store(m, ks(0))
     disk_slot = place_in_lower_tier(m, "disk", key(1))
     assert m.usage() == {HOST: (1, 2), "disk": (1, 4)}
@@ -516,7 +516,7 @@ def test_failed_staged_load_frees_staging_and_discard_deletes(policy: str) -> No
 
 
 def test_staging_evicts_host_but_stops_when_no_room(policy: str) -> None:
-    m = two_tiers(policy, host=1)
+    m = two_tiers(policy, host=1, mode="write_back")
     store(m, ks(5))
     m.prepare_load(ks(5))  # pinned: the only host slot cannot be used for staging
     for i in (0, 1):
@@ -546,6 +546,25 @@ def test_write_through_demotes_every_store(policy: str) -> None:
     store(m, ks(2))  # host full: evicts key 1 (LRU tail); key 0 stays on disk anyway
     (plan,) = m.prepare_demotions()
     assert plan.keys == (key(2),)
+
+
+def test_write_through_chunks_are_not_evicted_before_their_copy(policy: str) -> None:
+    m = two_tiers(policy)
+    store(m, ks(0, 1))  # both queued for the disk tier: pinned in the host tier
+    assert store(m, ks(2)) is None  # no room: nothing evictable yet
+    (plan,) = m.prepare_demotions()
+    m.complete_demotion("disk", plan.keys)
+    assert pins(m, key(0)) == pins(m, key(1)) == 0
+    plan2 = store(m, ks(2))
+    assert plan2 is not None and len(plan2.evicted) == 1
+    assert m.lookup(ks(0, 1)) == 2  # the evicted one is still on disk
+
+
+def test_reset_abandons_pending_write_through_copies(policy: str) -> None:
+    m = two_tiers(policy)
+    store(m, ks(0, 1))
+    assert m.reset() == 2 and m.prepare_demotions() == []
+    assert m.usage() == {HOST: (0, 2), "disk": (0, 4)}
 
 
 def test_lower_tier_eviction_queues_deletes(policy: str) -> None:

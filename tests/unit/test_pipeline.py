@@ -1,0 +1,107 @@
+"""The worker pipeline: device <-> host chained with host <-> a real disk tier.
+
+A staged load reads chunks from the disk tier into host staging slots and then
+copies them into engine blocks, in one job; a chunk whose read fails (here: a
+corrupted file, caught by its checksum) is left out and reported failed; a
+demotion writes host slots to disk; deletes remove files.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tiercache.backend import BackendContext
+from tiercache.backends.disk import DiskBackend, DiskSettings
+from tiercache.device import CopySegment
+from tiercache.layout import KVBlockLayout
+from tiercache.pipeline import DemoteJobSpec, WorkerPipeline
+from tiercache.tier_io import TierIO
+from tiercache.transfer import TransferEngine, TransferJobSpec
+
+NUM_BLOCKS = 16
+BPC = 2
+SLOTS = 4
+NS = b"\x07" * 8
+
+
+def key(i: int) -> bytes:
+    return NS + bytes([i]) * 32 + b"\x00\x00\x00\x00"
+
+
+@pytest.fixture
+def setup(tmp_path: pathlib.Path) -> Iterator[tuple[WorkerPipeline, dict[str, torch.Tensor], DiskBackend]]:
+    gen = torch.Generator().manual_seed(0)
+    kvs = {f"l{i}": torch.randn(NUM_BLOCKS, 2, 32, 2, 16, generator=gen) for i in range(2)}
+    layout = KVBlockLayout.from_kv_caches(kvs, NUM_BLOCKS)
+    engine = TransferEngine(layout, BPC, SLOTS)
+    chunk_bytes = layout.slot_bytes(BPC)
+    disk = DiskBackend(
+        DiskSettings(root=tmp_path / "disk", io_threads=2, fsync="none"),
+        BackendContext("disk", NS, chunk_bytes, capacity_bytes=64 * (chunk_bytes + 8192)),
+    )
+    pipe = WorkerPipeline(engine, TierIO({"disk": disk}, engine.host.slab))
+    yield pipe, kvs, disk
+    pipe.shutdown()
+
+
+def blocks(kvs: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    return [t[ids].clone() for t in kvs.values()]
+
+
+def test_store_demote_then_staged_load_restores_bytes(setup) -> None:  # type: ignore[no-untyped-def]
+    pipe, kvs, disk = setup
+    src_ids = [3, 4]
+    expected = blocks(kvs, src_ids)
+    pipe.submit(TransferJobSpec(1, "r", "store", (key(1),), (CopySegment(0, 0, tuple(src_ids)),)))
+    assert pipe.wait_for([1])[0].ok
+    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1),), (0,)))
+    (demoted,) = pipe.wait_for([2])
+    assert demoted.ok and demoted.ok_keys == (key(1),)
+    pipe.engine.host.slab.zero_()  # the host copy is gone: only disk has it now
+    for t in kvs.values():
+        t[[9, 10]] = 0
+    pipe.submit(TransferJobSpec(3, "r", "load", (key(1),), (CopySegment(2, 0, (9, 10)),)), ("disk",))
+    (loaded,) = pipe.wait_for([3])
+    assert loaded.ok
+    for got, want in zip(blocks(kvs, [9, 10]), expected):
+        assert torch.equal(got, want)
+
+
+def test_failed_staged_read_is_left_out_and_reported(setup) -> None:  # type: ignore[no-untyped-def]
+    pipe, kvs, disk = setup
+    pipe.submit(TransferJobSpec(1, "r", "store", (key(1), key(2)), (CopySegment(0, 0, (1, 2)), CopySegment(1, 0, (5, 6)))))
+    pipe.wait_for([1])
+    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1), key(2)), (0, 1)))
+    pipe.wait_for([2])
+    before = blocks(kvs, [12, 13])
+    pipe.submit(TransferJobSpec(3, "r", "load", (key(1), key(9)), (CopySegment(2, 0, (11,)), CopySegment(3, 0, (12, 13)))), ("disk", "disk"))
+    (res,) = pipe.wait_for([3])
+    assert res.ok_keys == (key(1),) and res.failed_keys == (key(9),)  # key 9 was never stored
+    for got, want in zip(blocks(kvs, [12, 13]), before):
+        assert torch.equal(got, want)  # the failed chunk's blocks were not written
+
+
+def test_delete_removes_from_the_tier(setup) -> None:  # type: ignore[no-untyped-def]
+    pipe, kvs, disk = setup
+    pipe.submit(TransferJobSpec(1, "r", "store", (key(1),), (CopySegment(0, 0, (1, 2)),)))
+    pipe.wait_for([1])
+    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1),), (0,)))
+    pipe.wait_for([2])
+    assert list(disk.recover()) == [key(1)]
+    pipe.delete({"disk": [key(1)]})
+    assert list(disk.recover()) == []
+
+
+def test_without_lower_tiers_staged_jobs_fail_cleanly(tmp_path: pathlib.Path) -> None:
+    kvs = {"l": torch.zeros(NUM_BLOCKS, 2, 32, 2, 16)}
+    engine = TransferEngine(KVBlockLayout.from_kv_caches(kvs, NUM_BLOCKS), BPC, SLOTS)
+    pipe = WorkerPipeline(engine)
+    pipe.submit(TransferJobSpec(1, "r", "load", (key(1),), (CopySegment(0, 0, (1,)),)), ("disk",))
+    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1),), (0,)))
+    results = {r.job_id: r for r in pipe.wait_for([1, 2])}
+    assert results[1].failed_keys == (key(1),) and results[2].failed_keys == (key(1),)
+    pipe.shutdown()
