@@ -36,14 +36,16 @@ def lower_tier_specs(config: TierCacheConfig, geometry: ChunkGeometry) -> list[T
     _check_shareable(geometry, config)
     specs: list[TierSpec] = []
     for index, tier in enumerate(config.tiers[1:], start=1):
-        footprint = backend_class(tier.backend).footprint(geometry.slot_bytes)
+        cls = backend_class(tier.backend)
+        footprint = cls.footprint(geometry.slot_bytes)
         slots = tier.capacity // footprint
         if slots < 1:
             raise ConfigError(
                 f"tiers.{index}.capacity: {tier.capacity} bytes holds no chunk "
                 f"(one chunk takes {footprint} bytes in backend {tier.backend!r})"
             )
-        specs.append(TierSpec(tier.name, slots, tier.policy, tier.mode))
+        # A shared tier's budget is the other side's business; here it bounds what we remember.
+        specs.append(TierSpec(tier.name, slots, tier.policy, "write_through" if cls.shared else tier.mode, cls.shared))
     return specs
 
 
@@ -59,10 +61,12 @@ def _context(tier_name: str, capacity: int, digest: bytes, geometry: ChunkGeomet
 
 
 def make_backends(
-    config: TierCacheConfig, geometry: ChunkGeometry, digest: bytes, rank: int
+    config: TierCacheConfig, geometry: ChunkGeometry, digest: bytes, rank: int, shared_only: bool = False
 ) -> dict[str, Backend]:
     backends: dict[str, Backend] = {}
     for index, tier in enumerate(config.tiers[1:], start=1):
+        if shared_only and not backend_class(tier.backend).shared:
+            continue
         try:
             backends[tier.name] = create_backend(
                 tier, _context(tier.name, tier.capacity, digest, geometry, rank), index
@@ -84,6 +88,8 @@ def recover_lower_tiers(
     backends = make_backends(config, geometry, digest, rank=0)
     try:
         for name, backend in backends.items():
+            if backend.shared:
+                continue  # looked up per request, not recovered
             keys = [k for k in backend.recover() if k.startswith(digest)]
             over = manager.adopt(name, keys)
             if over:

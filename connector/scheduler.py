@@ -24,9 +24,10 @@ from tiercache.events import ChunkEvent
 from tiercache.manager import OffloadingManager, TierSpec
 from tiercache.metrics import TierCacheMetrics
 from tiercache.pipeline import DemoteJobSpec
+from tiercache.shared_lookup import SharedLookup
 from tiercache.transfer import TransferJobSpec
 
-from tiercache.connector.lower_tiers import lower_tier_specs, recover_lower_tiers
+from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
 
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
@@ -45,6 +46,7 @@ class _RequestState:
     next_store_chunk: int = 0  # chunks below this were offered to the manager already
     lookup_local_tokens: int | None = None  # vLLM's own hit, from get_num_new_matched_tokens
     lookup_hit_tokens: int = 0
+    shared_asked: bool = False  # the shared tiers answered for this request already
 
 
 @dataclass
@@ -77,6 +79,8 @@ class TierCacheScheduler:
         self._step_deletes: dict[str, list[bytes]] = {}
         for tier_name, extra in recover_lower_tiers(config, geometry, self.keys.digest, self.manager).items():
             self._step_deletes.setdefault(tier_name, []).extend(extra)
+        shared = make_backends(config, geometry, self.keys.digest, rank=0, shared_only=True)
+        self._shared: SharedLookup | None = SharedLookup(shared) if shared else None
         self.metrics = metrics or TierCacheMetrics()
         self.metrics.label(self.metrics.capacity_bytes, host.name).set(
             geometry.host_slots * geometry.slot_bytes
@@ -116,11 +120,18 @@ class TierCacheScheduler:
         self._counters[name] = self._counters.get(name, 0) + value
 
     # ------------------------------------------------------------- lookups
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         keys = self.keys.chunk_keys(request.block_hashes)
         if not keys:
             return 0, False
         hits = self.manager.lookup(keys) or 0
+        if self._shared is not None and hits < len(keys):
+            asked = self._ask_shared_tiers(request, keys, hits)
+            if asked is None:
+                return None, False  # vLLM asks again on a later step; the scheduler never waits
+            hits = asked
         local_chunks = min(hits, num_computed_tokens // self.chunk_tokens)
         if local_chunks:
             # The engine's own cache serves these: keep our copies warm too, so they
@@ -135,6 +146,25 @@ class TierCacheScheduler:
         st.lookup_local_tokens = num_computed_tokens
         st.lookup_hit_tokens = hit_tokens
         return hit_tokens - num_computed_tokens, self._async_loads
+
+    def _ask_shared_tiers(self, request: "Request", keys: list[bytes], hits: int) -> int | None:
+        """Extend the local hit with what the shared tiers hold; None while they are asked."""
+        st = self._state(request)
+        if st.shared_asked:
+            return hits
+        assert self._shared is not None
+        token = request.request_id
+        if not self._shared.asking(token):
+            self._shared.ask(token, keys[hits:])
+            return None
+        answer = self._shared.answer(token)
+        if answer is None:
+            return None
+        st.shared_asked = True
+        for tier, present in answer.items():
+            if present:
+                self.manager.learn(tier, present)
+        return self.manager.lookup(keys) or 0
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -291,6 +321,8 @@ class TierCacheScheduler:
         # Stores for the request's last step were planned in that step's metadata and
         # are fenced by the worker before the next forward pass: nothing to delay.
         self._reqs.pop(request.request_id, None)
+        if self._shared is not None:
+            self._shared.forget(request.request_id)
         return False, None
 
     def take_events(self) -> list[ChunkEvent]:
@@ -306,4 +338,6 @@ class TierCacheScheduler:
         return True
 
     def shutdown(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
         self.manager.shutdown()

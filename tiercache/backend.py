@@ -67,6 +67,9 @@ class Backend(ABC):
 
     name: ClassVar[str]
     settings_model: ClassVar[type[BaseModel]] = BackendSettings
+    # True for media other engines write too (Redis, the cache server): such a tier
+    # is looked up with ``contains`` (asynchronously) instead of being owned.
+    shared: ClassVar[bool] = False
 
     # Plugins are constructed as ``cls(settings, context)`` by tiercache.plugins;
     # ``settings`` is an instance of ``settings_model`` built from the tier's options.

@@ -33,6 +33,10 @@ class TierSpec:
     # Lower tiers only: write_through receives every chunk the host tier stores;
     # write_back receives the host tier's coldest chunks when it runs full.
     mode: TierMode = "write_through"
+    # Shared tiers (Redis, the cache server) are looked up, not owned: the
+    # directory only remembers which chunks were seen there (bounded by
+    # num_slots); forgetting one deletes nothing, and a reset leaves them alone.
+    shared: bool = False
 
 
 @dataclass

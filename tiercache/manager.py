@@ -382,7 +382,8 @@ class OffloadingManager:
                 evicted = tier.evict(shortfall)
                 if evicted:
                     self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(evicted)))
-                    self._deletes[tier.name].extend(evicted)
+                    if not tier.spec.shared:
+                        self._deletes[tier.name].extend(evicted)
                 fit = min(len(candidates), len(tier.free_slots))
                 tier.stats.store_refused += len(candidates) - fit
                 self.complete_load(candidates[fit:])  # given up: release their host pins
@@ -458,6 +459,23 @@ class OffloadingManager:
         tier.policy.insert_many(adopted)
         return extra
 
+    def learn(self, tier_name: str, keys: Sequence[bytes]) -> None:
+        """Record that a shared tier holds ``keys`` (an answer to an asynchronous lookup).
+
+        The oldest knowledge is forgotten when the bound is reached; nothing is deleted.
+        """
+        tier = self._by_name[tier_name]
+        fresh = [k for k in dict.fromkeys(keys) if k not in tier.ready and k not in tier.storing]
+        shortfall = len(fresh) - len(tier.free_slots)
+        if shortfall > 0:
+            tier.evict(shortfall)
+        fit = min(len(fresh), len(tier.free_slots))
+        tier.ready.update(zip(fresh[:fit], tier.take_slots(fit)))
+        tier.policy.insert_many(fresh[:fit][::-1])
+
+    def shared_tiers(self) -> list[str]:
+        return [t.name for t in self.lower if t.spec.shared]
+
     def take_deletes(self) -> dict[str, list[bytes]]:
         """Keys each lower tier's backend must delete (drained)."""
         out = {name: keys for name, keys in self._deletes.items() if keys}
@@ -503,6 +521,8 @@ class OffloadingManager:
             queue.clear()
         dropped = 0
         for tier in self.tiers:
+            if tier.spec.shared:
+                continue  # other engines' chunks: a reset of this engine does not touch them
             keys = tier.drop_unpinned()
             if keys:
                 self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(keys)))

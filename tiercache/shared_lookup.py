@@ -1,0 +1,80 @@
+"""Asynchronous lookups in shared tiers (Redis, the cache server), off the scheduler thread.
+
+A shared tier is written by other engines too, so the manager cannot know what
+it holds; it has to ask. Asking must never block vLLM's scheduler (DESIGN.md
+section 3): :meth:`SharedLookup.ask` starts a ``Backend.contains`` call on a
+small thread pool and returns at once, the connector answers vLLM "not yet"
+(``None``), and on a later step :meth:`answer` hands back which leading keys
+each tier holds. A tier that does not answer within ``timeout_s`` or fails
+counts as holding nothing (a miss, never an error).
+
+Threading: ``ask``/``answer``/``forget``/``close`` from the scheduler thread;
+``contains`` runs on the pool threads (backends must allow that).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from tiercache.backend import Backend
+
+logger = logging.getLogger(__name__)
+
+
+class SharedLookup:
+    def __init__(self, backends: dict[str, Backend], timeout_s: float = 1.0) -> None:
+        self.backends = backends
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="tiercache-lookup")
+        self._pending: dict[str, tuple[float, Sequence[bytes], dict[str, Future[list[bool]]]]] = {}
+
+    def asking(self, token: str) -> bool:
+        return token in self._pending
+
+    def ask(self, token: str, keys: Sequence[bytes]) -> None:
+        """Start asking every shared tier which of ``keys`` it holds."""
+        futures = {name: self._pool.submit(backend.contains, list(keys)) for name, backend in self.backends.items()}
+        self._pending[token] = (time.monotonic(), tuple(keys), futures)
+
+    def answer(self, token: str) -> dict[str, list[bytes]] | None:
+        """Per tier, the leading keys it holds; None while some tier is still thinking."""
+        started, keys, futures = self._pending[token]
+        late = time.monotonic() - started > self.timeout_s
+        if not late and not all(f.done() for f in futures.values()):
+            return None
+        del self._pending[token]
+        out: dict[str, list[bytes]] = {}
+        for name, fut in futures.items():
+            if not fut.done():
+                logger.warning("tiercache: shared tier %s did not answer a lookup in %.2fs", name, self.timeout_s)
+                fut.cancel()
+                continue
+            try:
+                present = fut.result()
+            except Exception as exc:
+                logger.warning("tiercache: lookup in shared tier %s failed: %s", name, exc)
+                continue
+            prefix: list[bytes] = []
+            for key, held in zip(keys, present):
+                if not held:
+                    break
+                prefix.append(key)
+            out[name] = prefix
+        return out
+
+    def forget(self, token: str) -> None:
+        entry = self._pending.pop(token, None)
+        if entry is not None:
+            for fut in entry[2].values():
+                fut.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for backend in self.backends.values():
+            try:
+                backend.close()
+            except Exception:
+                logger.exception("tiercache: closing a shared tier failed")
