@@ -1,0 +1,71 @@
+"""SharedLookup: contains() off the scheduler thread, prefix answers, timeouts and failures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tiercache.backends.cpu import HostTier
+from tiercache.shared_lookup import SharedLookup
+
+
+def k(i: int) -> bytes:
+    return bytes([i]) * 44
+
+
+class SlowTier(HostTier):
+    """A host tier that answers lookups late (a slow or hung shared store)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(4, 64, pin_memory=False)
+        self.delay_s = delay_s
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        time.sleep(self.delay_s)
+        return super().contains(keys)
+
+
+class BrokenTier(HostTier):
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        raise ConnectionError("store is down")
+
+
+def wait_answer(lookup: SharedLookup, token: str) -> dict[str, list[bytes]]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        ans = lookup.answer(token)
+        if ans is not None:
+            return ans
+        time.sleep(0.01)
+    raise AssertionError("no answer")
+
+
+def test_answers_the_held_prefix_per_tier() -> None:
+    a, b = HostTier(4, 64, pin_memory=False), HostTier(4, 64, pin_memory=False)
+    a.submit_put(1, [k(0), k(1), k(3)], [memoryview(bytearray(8))] * 3)
+    b.submit_put(1, [k(0)], [memoryview(bytearray(8))])
+    lookup = SharedLookup({"a": a, "b": b})
+    lookup.ask("r1", [k(0), k(1), k(2), k(3)])
+    assert lookup.asking("r1")
+    assert wait_answer(lookup, "r1") == {"a": [k(0), k(1)], "b": [k(0)]}  # a prefix: k(3) is useless
+    assert not lookup.asking("r1")
+    lookup.close()
+
+
+def test_slow_tier_is_not_waited_for_and_times_out_as_a_miss() -> None:
+    lookup = SharedLookup({"slow": SlowTier(0.5)}, timeout_s=0.1)
+    lookup.ask("r", [k(0)])
+    t0 = time.monotonic()
+    assert lookup.answer("r") is None and time.monotonic() - t0 < 0.05  # never blocks the caller
+    assert wait_answer(lookup, "r") == {}  # late: nothing learned, a miss
+    lookup.close()
+
+
+def test_failing_tier_is_a_miss_and_forget_drops_the_question() -> None:
+    lookup = SharedLookup({"down": BrokenTier(4, 64, pin_memory=False)})
+    lookup.ask("r", [k(0)])
+    assert wait_answer(lookup, "r") == {}
+    lookup.ask("r2", [k(0)])
+    lookup.forget("r2")
+    assert not lookup.asking("r2")
+    lookup.close()
