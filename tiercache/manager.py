@@ -31,9 +31,10 @@ import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from tiercache.cascade import LowerTierFlows
 from tiercache.directory import ChunkState, TierDirectory, TierSpec, TierStats
 from tiercache.events import ChunkEvent, EventKind
-from tiercache.plans import DemotePlan, LoadPlan, StorePlan
+from tiercache.plans import LoadPlan, StorePlan
 
 __all__ = ["ChunkState", "ManagerStats", "OffloadingManager", "TierSpec", "TierStats"]
 
@@ -46,7 +47,7 @@ class ManagerStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
 
 
-class OffloadingManager:
+class OffloadingManager(LowerTierFlows):
     """Directory and policy of every tier; makes load and store plans."""
 
     def __init__(self, tiers: Sequence[TierSpec]) -> None:
@@ -353,135 +354,6 @@ class OffloadingManager:
                 if tier is not self.host:
                     self._deletes[tier.name].extend(removed)
         return dropped
-
-    # ---------------------------------------------------------- lower tiers
-    def prepare_demotions(self, max_keys: int = 256) -> list[DemotePlan]:
-        """Plan copies of host chunks down into the lower tiers; called once per step.
-
-        write_through tiers receive every chunk the host tier stored; write_back
-        tiers receive the host tier's coldest chunks once it is fuller than
-        ``write_back_watermark``. The host copies are pinned until
-        :meth:`complete_demotion`; room in the lower tier comes from its own
-        eviction order (the evicted keys are queued for deletion).
-        """
-        plans: list[DemotePlan] = []
-        host = self.host
-        for tier in self.lower:
-            if tier.spec.mode == "write_through":
-                candidates = self._take_demote_queue(tier, max_keys)
-            else:
-                candidates = self._write_back_candidates(tier, max_keys)
-            if not candidates:
-                continue
-            if tier.spec.mode != "write_through":  # queued write-through keys are pinned already
-                pins = host.pins
-                for key in candidates:
-                    pins[key] = pins.get(key, 0) + 1
-            shortfall = len(candidates) - len(tier.free_slots)
-            if shortfall > 0:
-                evicted = tier.evict(shortfall)
-                if evicted:
-                    self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(evicted)))
-                    if not tier.spec.shared:
-                        self._deletes[tier.name].extend(evicted)
-                fit = min(len(candidates), len(tier.free_slots))
-                tier.stats.store_refused += len(candidates) - fit
-                self.complete_load(candidates[fit:])  # given up: release their host pins
-                candidates = candidates[:fit]
-            if not candidates:
-                continue
-            tier.storing.update(zip(candidates, tier.take_slots(len(candidates))))
-            plans.append(
-                DemotePlan(tier.name, tuple(candidates), tuple(host.ready[k] for k in candidates))
-            )
-        return plans
-
-    def _take_demote_queue(self, tier: TierDirectory, max_keys: int) -> list[bytes]:
-        queue = self._demote_queue[tier.name]
-        host_ready = self.host.ready
-        out: list[bytes] = []
-        dropped: list[bytes] = []
-        while queue and len(out) < max_keys:
-            key = next(iter(queue))
-            del queue[key]
-            if key in host_ready and key not in tier.ready and key not in tier.storing:
-                out.append(key)
-            else:
-                dropped.append(key)
-        if dropped:
-            self.complete_load(dropped)  # release the pins taken when they were queued
-        return out
-
-    def _write_back_candidates(self, tier: TierDirectory, max_keys: int) -> list[bytes]:
-        host = self.host
-        if host.used_slots < self.write_back_watermark * host.spec.num_slots:
-            return []
-        out: list[bytes] = []
-        for key in host.policy.candidates():  # coldest first
-            if key not in tier.ready and key not in tier.storing and key not in host.pins:
-                out.append(key)
-                if len(out) == max_keys:
-                    break
-        return out
-
-    def complete_demotion(
-        self, tier_name: str, keys: Sequence[bytes], failed: Collection[bytes] = ()
-    ) -> None:
-        """Finish a demotion: unpin the host copies; the lower copies become READY (or vanish)."""
-        tier = self._by_name[tier_name]
-        self.complete_load(keys)  # releases the host pins taken by prepare_demotions
-        stored: list[bytes] = []
-        for key in keys:
-            slot = tier.storing.pop(key, None)
-            if slot is None:
-                continue
-            if key in failed:
-                tier.free_slots.append(slot)
-                tier.stats.store_failures += 1
-            else:
-                tier.ready[key] = slot
-                stored.append(key)
-        if stored:
-            tier.policy.insert_many(stored[::-1])
-            tier.stats.stored_chunks += len(stored)
-            self._events.append(ChunkEvent(EventKind.STORED, tier.name, tuple(stored)))
-
-    def adopt(self, tier_name: str, keys: Sequence[bytes]) -> list[bytes]:
-        """Register chunks a persistent tier still holds after a restart (``Backend.recover``).
-
-        Returns the keys that did not fit the tier's budget; the caller deletes them.
-        """
-        tier = self._by_name[tier_name]
-        fresh = [k for k in dict.fromkeys(keys) if k not in tier.ready and k not in tier.storing]
-        fit = min(len(fresh), len(tier.free_slots))
-        adopted, extra = fresh[:fit], fresh[fit:]
-        tier.ready.update(zip(adopted, tier.take_slots(fit)))
-        tier.policy.insert_many(adopted)
-        return extra
-
-    def learn(self, tier_name: str, keys: Sequence[bytes]) -> None:
-        """Record that a shared tier holds ``keys`` (an answer to an asynchronous lookup).
-
-        The oldest knowledge is forgotten when the bound is reached; nothing is deleted.
-        """
-        tier = self._by_name[tier_name]
-        fresh = [k for k in dict.fromkeys(keys) if k not in tier.ready and k not in tier.storing]
-        shortfall = len(fresh) - len(tier.free_slots)
-        if shortfall > 0:
-            tier.evict(shortfall)
-        fit = min(len(fresh), len(tier.free_slots))
-        tier.ready.update(zip(fresh[:fit], tier.take_slots(fit)))
-        tier.policy.insert_many(fresh[:fit][::-1])
-
-    def shared_tiers(self) -> list[str]:
-        return [t.name for t in self.lower if t.spec.shared]
-
-    def take_deletes(self) -> dict[str, list[bytes]]:
-        """Keys each lower tier's backend must delete (drained)."""
-        out = {name: keys for name, keys in self._deletes.items() if keys}
-        for name in out:
-            self._deletes[name] = []
-        return out
 
     # ---------------------------------------------------------------- the rest
     def take_events(self) -> list[ChunkEvent]:
