@@ -46,7 +46,8 @@ import torch
 from tqdm import tqdm
 
 from bench.common import describe_machine, machine_info, print_table, write_result
-from tiercache.device import CopySegment, Direction, HostSegmentCopier, default_copy_threads
+from tiercache.device import CopySegment, Direction, default_copy_threads
+from tiercache.host_gather import HostSegmentCopier
 from tiercache.layout import KVBlockLayout, block_runs
 from tiercache.transfer import TransferEngine, TransferJobSpec
 

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tiercache.device import CopyJob, CopySegment, CudaStreamCopier, make_copier
+from tiercache.cuda_copier import CudaStreamCopier
+from tiercache.device import CopyJob, CopySegment, make_copier
 from tiercache.layout import KVBlockLayout
 
 pytestmark = [

@@ -21,18 +21,9 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from tiercache.device import (
-    GIL_FREE_ITEMS,
-    MIN_LOAD_ITEM_BYTES,
-    CopyDone,
-    CopyJob,
-    CopySegment,
-    HostSegmentCopier,
-    HostThreadCopier,
-    copy_segments,
-    make_copier,
-    zero_blocks,
-)
+from tiercache.device import CopyDone, CopyJob, CopySegment, copy_segments, make_copier, zero_blocks
+from tiercache.host_copier import HostThreadCopier
+from tiercache.host_gather import GIL_FREE_ITEMS, MIN_LOAD_ITEM_BYTES, HostSegmentCopier
 from tiercache.layout import KVBlockLayout
 
 NUM_BLOCKS = 48
@@ -493,7 +484,8 @@ def test_dropped_copier_stops_its_threads() -> None:
 
 EXIT_SCRIPT = """
 import torch
-from tiercache.device import CopyJob, CopySegment, HostThreadCopier
+from tiercache.device import CopyJob, CopySegment
+from tiercache.host_copier import HostThreadCopier
 from tiercache.layout import KVBlockLayout
 kvs = {f"l{i}": torch.ones(512, 2, 16, 4, 32) for i in range(8)}
 layout = KVBlockLayout.from_kv_caches(kvs, 512)

@@ -16,7 +16,8 @@ from tiercache.backends.cpu import HostTier
 
 from tiercache.backend import JobResult
 from tiercache.config import FaultConfig
-from tiercache.device import CopySegment, Direction, HostThreadCopier
+from tiercache.device import CopySegment, Direction
+from tiercache.host_copier import HostThreadCopier
 from tiercache.layout import KVBlockLayout
 from tiercache.transfer import TransferEngine, TransferJobSpec
 
