@@ -1,0 +1,795 @@
+"""The LMDB tier: framed chunks in one LMDB environment on a local disk, shared by a node's engines.
+
+Layout. One environment (``path``: a directory holding ``data.mdb`` and
+``lock.mdb``) may serve several engines. Each namespace and TP rank gets a
+named sub-database, ``tiercache/frames-v<format>/<namespace hex>/rank<r>``
+(ranks hold different bytes under the same key). Inside it the key is the
+chunk key itself, which starts with the 8-byte namespace digest (a key of
+another namespace is refused), and the value is a compact frame from
+:mod:`tiercache.integrity`: a header (format version, namespace, key,
+length, xxh3_64 checksum) and the payload. Every load verifies the frame
+before one byte reaches the caller's buffer; a frame that fails is a miss
+and counts in ``stats()["checksum_failures"]``.
+
+Processes. LMDB's own multi-process model: every process maps the same
+files; one write transaction at a time across all of them (LMDB's writer
+mutex in ``lock.mdb``); readers never block and never see an uncommitted
+write. A process opened with ``readonly: true`` serves gets, ``contains`` and
+``recover``; its puts fail. LMDB forbids opening one environment twice in a
+process, so backends of one process on the same ``path`` (the scheduler's
+recovery pass and a worker, or two ranks) share one ``lmdb.Environment``
+(:class:`_SharedEnvironment`); the first to open it sets its options. As
+with any LMDB handle, open a backend in the process that uses it (not across
+``fork``).
+
+Budget. The tier never holds more than ``context.capacity_bytes`` of frames:
+at most :attr:`LMDBBackend.capacity_chunks` chunks, each counted at
+:meth:`LMDBBackend.footprint` (the largest frame a chunk can have, with a key
+of :data:`MAX_KEY_BYTES`), which is also how the manager sizes the tier. The
+count is read from the sub-database inside each write transaction, so it is
+exact even when several processes write one namespace. A put beyond it fails
+(counted); ``delete`` frees room. The map is sized from the budget of every
+rank with headroom for LMDB's pages (:func:`default_map_size`); if it fills
+anyway (pages freed by deletes stay pinned while a reader in some process
+still looks at an old snapshot), that transaction's puts fail, ``map_full``
+counts them, and the backend keeps serving.
+
+Threads. ``submit_put``, ``submit_get``, ``delete``, ``poll``, ``contains``,
+``recover``, ``stats`` and ``close`` are called from the owner's thread and,
+but for ``close`` (which finishes the queued jobs), never wait for I/O
+(``contains``/``recover``/``stats`` run a short read transaction, which LMDB
+never blocks). Jobs run on the backend's own threads
+(``io_threads``, :class:`_Workers`): every one of them runs gets (one read
+transaction per job); the first also runs the writes (one write transaction
+per put job; deletes), in submission order, whenever no get is waiting. Each
+thread begins and ends its own transactions. Chunk copies and checksums
+release the GIL. Finished jobs reach the owner through a locked list that
+``poll`` drains. Remapping the environment (adopting a map that another
+process grew) waits until no transaction of this process is open
+(:class:`_MapGate`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import lmdb
+import numpy as np
+from pydantic import Field
+
+from tiercache import integrity
+from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+from tiercache.config import ByteSize
+
+logger = logging.getLogger(__name__)
+
+#: Longest chunk key this tier stores (namespace 8 + prefix hash + group 4; vLLM's
+#: block hashes are at most 32 bytes). The budget counts every frame at this key length.
+MAX_KEY_BYTES = 128
+#: Bytes LMDB puts in front of a value that spills into overflow pages (a page header).
+LMDB_PAGE_HEADER_BYTES = 16
+#: Map headroom over the pages the budget's chunks occupy: a fraction, and a floor.
+MAP_HEADROOM_FRACTION = 0.25
+MAP_HEADROOM_MIN_BYTES = 64 << 20
+#: Named databases one process may open in one environment (one per namespace and rank).
+_MAX_DBS = 64
+#: A record in the main database that a transaction rewrites to move LMDB's txn id on.
+_TICK_KEY = b"tiercache/tick"
+
+
+class LMDBSettings(BackendSettings):
+    """Options of an ``lmdb`` tier (``tiers[i].options`` in YAML)."""
+
+    path: Path = Field(description="Directory of the LMDB environment (created if missing).")
+    map_size: ByteSize | None = Field(
+        default=None,
+        description=(
+            "LMDB map size in bytes. Default: the capacity of every rank of the engine plus "
+            "headroom for LMDB's pages (default_map_size). Set it when other engines share "
+            "the environment."
+        ),
+    )
+    max_readers: int = Field(
+        default=126, ge=1,
+        description="Reader slots; set by the first process that opens the environment.",
+    )
+    sync: bool = Field(
+        default=False,
+        description=(
+            "fsync on every commit. False: an OS crash may lose the latest puts (they become "
+            "misses); LMDB stays consistent, and every load is checksummed anyway."
+        ),
+    )
+    io_threads: int = Field(
+        default=1, ge=1, le=64,
+        description="I/O threads. All run gets; the first also runs puts and deletes, in order.",
+    )
+    subdir: bool = Field(
+        default=True, description="True: path is a directory; False: path is the data file itself."
+    )
+    readonly: bool = Field(
+        default=False, description="Open read-only (another process writes); puts fail."
+    )
+
+
+# ------------------------------------------------------------------------------ sizing
+def max_frame_bytes(chunk_bytes: int) -> int:
+    """The largest compact frame of a ``chunk_bytes`` payload (key of MAX_KEY_BYTES)."""
+    return integrity.compact_header_len(MAX_KEY_BYTES) + chunk_bytes
+
+
+def default_map_size(capacity_chunks: int, frame_bytes: int, page_size: int = mmap.PAGESIZE) -> int:
+    """Map size for ``capacity_chunks`` frames of up to ``frame_bytes`` each.
+
+    A value larger than a page lives in its own run of overflow pages behind a
+    16-byte page header, so each chunk occupies ``ceil((frame + 16) / page)``
+    whole pages (LMDB's page is the OS page). On top of that: 25% (at least
+    64 MiB) for the B-tree's branch and leaf pages, LMDB's free-page list, and
+    copy-on-write (a write transaction takes new pages while pages freed by
+    deletes are still visible to older read transactions, in this or another
+    process). The map is address space, not disk: the file grows as pages are used.
+    """
+    pages_per_chunk = -(-(frame_bytes + LMDB_PAGE_HEADER_BYTES) // page_size)
+    data = capacity_chunks * pages_per_chunk * page_size
+    headroom = max(int(data * MAP_HEADROOM_FRACTION), MAP_HEADROOM_MIN_BYTES)
+    return -(-(data + headroom) // page_size) * page_size
+
+
+def environment_options(settings: LMDBSettings, map_size: int) -> dict[str, Any]:
+    """Keyword arguments of ``lmdb.open`` for these settings (the benchmark's raw runs use them)."""
+    return {
+        "map_size": map_size,
+        "subdir": settings.subdir,
+        "readonly": settings.readonly,
+        "sync": settings.sync,
+        "metasync": settings.sync,
+        "max_readers": settings.max_readers,
+        "max_dbs": _MAX_DBS,
+        "max_spare_txns": 1,
+        "lock": True,
+    }
+
+
+def database_name(namespace: bytes, rank: int = 0) -> bytes:
+    """The named sub-database of one namespace and TP rank (tied to the frame format)."""
+    return b"tiercache/frames-v%d/%s/rank%d" % (
+        integrity.FORMAT_VERSION, namespace.hex().encode(), rank,
+    )
+
+
+# ----------------------------------------------------------------------------- framing
+class _Load(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"
+    CORRUPT = "corrupt"  # failed verification: damaged, or not the frame asked for
+    WRONG_SIZE = "wrong_size"  # intact, but the caller's buffer has another length
+
+
+class _Framer:
+    """The one place this module frames and verifies chunks (:mod:`tiercache.integrity`).
+
+    Frames are compact: the header right before the payload, the whole LMDB
+    value. ``frame`` reuses one staging buffer, so only one thread (the writer)
+    may call it; ``unframe`` keeps no state and runs on every get thread.
+    """
+
+    def __init__(self, namespace: bytes, chunk_bytes: int) -> None:
+        self.namespace = namespace
+        self._stage(max_frame_bytes(chunk_bytes))
+
+    def _stage(self, size: int) -> None:
+        self._staging = memoryview(bytearray(size))
+        self._staging_array = np.frombuffer(self._staging, dtype=np.uint8)
+
+    def frame(self, key: bytes, payload: memoryview) -> memoryview:
+        """The frame of ``payload`` under ``key``, in the staging buffer, valid until the next call.
+
+        The payload is copied first and checksummed in the staging buffer: the
+        hash then reads cache-warm bytes and covers exactly the bytes stored.
+        """
+        start = integrity.compact_header_len(len(key))
+        end = start + payload.nbytes
+        if end > len(self._staging):
+            self._stage(end)
+        np.copyto(self._staging_array[start:end], np.frombuffer(payload, dtype=np.uint8))
+        frame = self._staging[:end]
+        integrity.pack_header(frame, self.namespace, key, frame[start:])
+        return frame
+
+    def unframe(self, key: bytes, frame: memoryview, out: memoryview) -> _Load:
+        """Verify ``frame`` as ``key``'s, then copy its payload into ``out`` (else untouched)."""
+        # Our frames are compact, so the header of this key's frame is this long;
+        # verify_frame checks magic, version, namespace, key, the payload length
+        # (the rest of the value) and the checksum, which covers the header length.
+        header_len = integrity.compact_header_len(len(key))
+        try:
+            if frame.nbytes < header_len:
+                raise integrity.FrameFormatError(f"a value of {frame.nbytes} bytes is no frame")
+            payload = frame[header_len:]
+            integrity.verify_frame(frame[:header_len], payload, self.namespace, key)
+        except integrity.IntegrityError as exc:
+            logger.warning("lmdb tier: dropping chunk %s: %s", key.hex(), exc)
+            return _Load.CORRUPT
+        if payload.nbytes != out.nbytes:
+            return _Load.WRONG_SIZE
+        _copy(out, payload)
+        return _Load.OK
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` for flat byte views, through numpy, which releases the GIL."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def _as_bytes(key: Any) -> Any:
+    """A key as ``bytes`` (from any bytes-like object); anything else as it is, to be refused."""
+    return bytes(key) if isinstance(key, (bytes, bytearray, memoryview)) else key
+
+
+def _flat_bytes(view: Any, writable: bool) -> memoryview | None:
+    """``view`` as a flat unsigned-byte memoryview over the same memory; None if unusable."""
+    try:
+        mv = memoryview(view)
+        if not mv.c_contiguous or (writable and mv.readonly):
+            return None
+        return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+    except (TypeError, ValueError, BufferError):
+        return None
+
+
+# ------------------------------------------------------------------------ environment
+class _MapGate:
+    """Shared while a transaction is open in this process; exclusive to remap the environment.
+
+    LMDB's ``set_mapsize`` ends every transaction of the process and moves the
+    map, so it must not run while any thread reads from the map.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = 0
+        self._remapping = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._remapping)
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._remapping)
+            self._remapping = True
+            self._cond.wait_for(lambda: self._open == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._remapping = False
+                self._cond.notify_all()
+
+
+class _SharedEnvironment:
+    """One ``lmdb.Environment`` per environment per process, shared by that process's backends."""
+
+    _open: dict[str, _SharedEnvironment] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, env: lmdb.Environment, where: str) -> None:
+        self.env = env
+        self.gate = _MapGate()
+        self.readonly = bool(env.flags()["readonly"])
+        self._where = where
+        self._users = 1
+
+    @classmethod
+    def acquire(cls, settings: LMDBSettings, map_size: int) -> _SharedEnvironment:
+        """Open the environment at ``settings.path``, or join this process's open one."""
+        if settings.subdir and not settings.readonly:
+            settings.path.mkdir(parents=True, exist_ok=True)
+        where = os.path.realpath(settings.path)
+        with cls._lock:
+            shared = cls._open.get(where)
+            if shared is None:
+                env = lmdb.open(str(settings.path), **environment_options(settings, map_size))
+                env.reader_check()  # free the reader slots of processes that died
+                shared = cls._open[where] = cls(env, where)
+                return shared
+            if shared.readonly and not settings.readonly:
+                raise ValueError(f"lmdb environment {where} is open read-only in this process")
+            shared._users += 1
+        shared.grow_map(map_size)
+        return shared
+
+    def release(self) -> None:
+        """Drop one user; the last one closes the environment."""
+        with self._lock:  # closed under the lock: a new open of the same files waits for it
+            self._users -= 1
+            if self._users == 0:
+                del self._open[self._where]
+                self.env.close()
+
+    def grow_map(self, map_size: int) -> None:
+        """Make the map at least ``map_size`` bytes (a later backend may need more)."""
+        if map_size > self.env.info()["map_size"]:
+            with self.gate.exclusive():
+                self.env.set_mapsize(map_size)
+
+    def adopt_grown_map(self) -> None:
+        """Another process grew the map past ours: remap to the size it recorded."""
+        with self.gate.exclusive():
+            self.env.set_mapsize(0)
+        logger.info("lmdb tier: adopted map size %d", self.env.info()["map_size"])
+
+
+# ----------------------------------------------------------------------------- threads
+@dataclass(slots=True)
+class _Job:
+    kind: Literal["put", "get", "delete"]
+    job_id: int
+    keys: list[bytes]
+    views: list[memoryview] = field(default_factory=list)
+    refused: list[bytes] = field(default_factory=list)  # failed before reaching a thread
+    submitted: list[bytes] = field(default_factory=list)  # every key, as submitted
+
+
+class _Workers:
+    """The I/O threads and their two queues.
+
+    Every thread runs gets; thread 0 alone runs writes (puts and deletes), in
+    submission order, whenever no get is waiting: a get is what a request
+    waits for, a store can wait. LMDB allows one writer at a time anyway, and
+    readers run beside it.
+    """
+
+    def __init__(self, count: int, run: Callable[[_Job], None], name: str) -> None:
+        self._run = run
+        self._cond = threading.Condition()
+        self._reads: deque[_Job] = deque()
+        self._writes: deque[_Job] = deque()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._serve, args=(i == 0,), name=f"{name}-io{i}", daemon=True)
+            for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def write(self, job: _Job) -> None:
+        self._enqueue(self._writes, job)
+
+    def read(self, job: _Job) -> None:
+        self._enqueue(self._reads, job)
+
+    def stop(self) -> None:
+        """Finish the queued jobs, then end the threads."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    def _enqueue(self, jobs: deque[_Job], job: _Job) -> None:
+        with self._cond:
+            jobs.append(job)
+            self._cond.notify_all()
+
+    def _serve(self, writer: bool) -> None:
+        while (job := self._next(writer)) is not None:
+            self._run(job)
+
+    def _next(self, writer: bool) -> _Job | None:
+        with self._cond:
+            while True:
+                if self._reads:
+                    return self._reads.popleft()
+                if writer and self._writes:
+                    return self._writes.popleft()
+                if self._stopping:
+                    return None
+                self._cond.wait()
+
+
+_COUNTERS = ("puts", "gets", "put_failures", "get_failures", "checksum_failures", "map_full",
+             "delete_failures")
+
+
+class _Counters:
+    """Key counts, bumped by the I/O threads and read by the owner."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(_COUNTERS, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+class _Every:
+    """True at most once per ``seconds`` (to rate-limit a log line)."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._seconds
+        return True
+
+
+_Outcome = tuple[list[bytes], list[bytes], int]  # ok keys, failed keys, payload bytes moved
+_T = TypeVar("_T")
+
+
+# ----------------------------------------------------------------------------- backend
+class LMDBBackend(Backend):
+    """Chunks in an LMDB environment; see the module docstring for layout, budget and threads."""
+
+    name = "lmdb"
+    settings_model = LMDBSettings
+
+    @classmethod
+    def footprint(cls, chunk_bytes: int) -> int:
+        """Budget bytes of one chunk: its largest frame (the manager sizes the tier with it)."""
+        return max_frame_bytes(chunk_bytes)
+
+    def __init__(self, settings: LMDBSettings, context: BackendContext) -> None:
+        self.frame_bytes = self.footprint(context.chunk_bytes)
+        self.capacity_chunks = context.capacity_bytes // self.frame_bytes
+        if self.capacity_chunks <= 0:
+            raise ValueError(
+                f"lmdb tier {context.tier_name}: capacity {context.capacity_bytes} bytes holds no "
+                f"chunk frame of {self.frame_bytes} bytes"
+            )
+        self.settings = settings
+        self.context = context
+        self.map_size = settings.map_size or default_map_size(
+            self.capacity_chunks * max(1, context.world_size), self.frame_bytes
+        )
+        self._framer = _Framer(context.namespace, context.chunk_bytes)
+        self._counters = _Counters()
+        self._results: list[JobResult] = []
+        self._results_lock = threading.Lock()
+        # key -> its queued deletes not yet committed. Changed under the lock; get threads
+        # only test membership, which for bytes keys is atomic under the GIL.
+        self._deleting: dict[bytes, int] = {}
+        self._deleting_lock = threading.Lock()
+        self._db_lock = threading.Lock()
+        self._map_full_log = _Every(60.0)
+        self._closed = False
+        self._shared = _SharedEnvironment.acquire(settings, self.map_size)
+        self._env = self._shared.env
+        self._gate = self._shared.gate
+        try:
+            self._db = self._open_db(create=not settings.readonly)
+        except BaseException:
+            self._shared.release()
+            raise
+        self._max_key = min(MAX_KEY_BYTES, self._env.max_key_size())
+        self._workers = _Workers(settings.io_threads, self._run, f"lmdb-{context.tier_name}")
+
+    # ------------------------------------------------------------------ owner thread
+    def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+        job = self._intake("put", job_id, keys, views)
+        if job is not None:
+            self._workers.write(job)
+
+    def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+        job = self._intake("get", job_id, keys, views)
+        if job is not None:
+            self._workers.read(job)
+
+    def poll(self) -> list[JobResult]:
+        with self._results_lock:
+            results, self._results = self._results, []
+        return results
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Queue the keys' removal (one write transaction); gets and ``contains`` miss them now."""
+        keys = [k for k in map(_as_bytes, keys) if isinstance(k, bytes) and k]
+        if self._closed or self.settings.readonly or not keys:
+            return
+        with self._deleting_lock:
+            for key in keys:
+                self._deleting[key] = self._deleting.get(key, 0) + 1
+        self._workers.write(_Job("delete", -1, keys))
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the environment holds now (written by any process); all False on an error."""
+        return self._owner_read(self._contains_txn, keys, default=[False] * len(keys))
+
+    def recover(self) -> list[bytes]:
+        """This namespace's keys, from the B-tree alone: no chunk body is read.
+
+        An LMDB error here is raised: it happens at start-up, where it should be seen.
+        """
+        if self._closed or self._current_db() is None:
+            return []
+        try:
+            return self._recover_txn()
+        except lmdb.MapResizedError:
+            self._shared.adopt_grown_map()
+            return self._recover_txn()
+
+    def stats(self) -> dict[str, int]:
+        """Key counts since open (``puts``, ``gets``, ``*_failures``, ``checksum_failures``,
+        ``map_full``) and ``bytes_used``: chunks held now times :attr:`frame_bytes`."""
+        out = self._counters.snapshot()
+        out["bytes_used"] = self._owner_read(self._held_chunks_txn, default=0) * self.frame_bytes
+        return out
+
+    def close(self) -> None:
+        """Finish the queued jobs, then let go of the environment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._workers.stop()
+        self._shared.release()
+        with self._results_lock:
+            self._results.clear()
+
+    # ------------------------------------------------------------------- job intake
+    def _intake(
+        self, kind: Literal["put", "get"], job_id: int, keys: Sequence[bytes],
+        views: Sequence[memoryview],
+    ) -> _Job | None:
+        """Check a job's keys and buffers on the owner thread; None once it is already reported."""
+        job = _Job(kind, job_id, [], submitted=[_as_bytes(k) for k in keys])
+        if self._closed or len(keys) != len(views) or (kind == "put" and self.settings.readonly):
+            job.refused = list(job.submitted)
+        else:
+            for key, view in zip(job.submitted, views):
+                flat = _flat_bytes(view, writable=kind == "get")
+                if flat is None or not self._acceptable(key, flat):
+                    job.refused.append(key)
+                else:
+                    job.keys.append(key)
+                    job.views.append(flat)
+        if job.refused:
+            self._counters.add(**{f"{kind}_failures": len(job.refused)})
+        if job.keys:
+            return job
+        self._push(JobResult(job_id, (), tuple(job.refused), 0, 0.0))
+        return None
+
+    def _acceptable(self, key: bytes, view: memoryview) -> bool:
+        return self._storable(key) and 0 < view.nbytes <= self.context.chunk_bytes
+
+    def _storable(self, key: Any) -> bool:
+        """A key of this namespace that LMDB and the frame format can hold."""
+        return (
+            isinstance(key, bytes)
+            and key.startswith(self.context.namespace)
+            and len(key) <= self._max_key
+        )
+
+    def _push(self, result: JobResult) -> None:
+        with self._results_lock:
+            self._results.append(result)
+
+    # ------------------------------------------------------------------ I/O threads
+    def _run(self, job: _Job) -> None:
+        """Run one job to its JobResult; nothing escapes into the thread."""
+        start = time.perf_counter()
+        try:
+            ok, failed, moved = self._attempt(job)
+        except Exception:  # a bug or an unforeseen LMDB state: the job fails, the tier lives
+            logger.exception("lmdb tier: %s job %d failed", job.kind, job.job_id)
+            ok, failed, moved = [], list(job.keys), 0
+            self._counters.add(**{f"{job.kind}_failures": len(failed)})
+        finally:
+            if job.kind == "delete":
+                self._forget_deleting(job.keys)
+        if job.kind != "delete":
+            failed = _in_order(job, failed)
+            self._push(JobResult(job.job_id, tuple(ok), tuple(failed), moved,
+                                 time.perf_counter() - start))
+        job.views.clear()  # no reference to the caller's buffers outlives the job
+
+    def _attempt(self, job: _Job) -> _Outcome:
+        """Run the job; if another process grew the map past ours, adopt it and run once more."""
+        run = {"put": self._put, "get": self._get, "delete": self._delete}[job.kind]
+        try:
+            return run(job)
+        except lmdb.MapResizedError:
+            self._shared.adopt_grown_map()
+            return run(job)
+
+    def _put(self, job: _Job) -> _Outcome:
+        try:
+            return self._with_room(self._put_txn, job)
+        except lmdb.MapFullError:
+            self._counters.add(map_full=len(job.keys), put_failures=len(job.keys))
+            if self._map_full_log.due():  # an exhausted map fails every put job: say it rarely
+                logger.warning("lmdb tier: map full (%d bytes): %d puts dropped so far",
+                               self._env.info()["map_size"], self._counters.snapshot()["map_full"])
+        except lmdb.MapResizedError:
+            raise
+        except lmdb.Error as exc:
+            logger.warning("lmdb tier: put job %d failed: %s", job.job_id, exc)
+            self._counters.add(put_failures=len(job.keys))
+        return [], list(job.keys), 0
+
+    def _with_room(self, txn_body: Callable[[_Job], _Outcome], job: _Job) -> _Outcome:
+        """Run a write transaction; if the map is full, make room once and run it again.
+
+        LMDB reuses the pages a transaction freed only from the transaction after
+        the next one on, and never while a reader (even one whose process died)
+        still sees them. So a put right after the delete that made room for it
+        finds the map full; an aborted transaction advances nothing. Making room:
+        clear dead readers' slots and commit a tiny transaction, after which the
+        pages freed before it are free to take.
+        """
+        try:
+            return txn_body(job)
+        except lmdb.MapFullError:
+            self._env.reader_check()
+            with self._gate.shared(), self._env.begin(write=True) as txn:
+                txn.put(_TICK_KEY, time.time_ns().to_bytes(8, "little"))
+            return txn_body(job)
+
+    def _put_txn(self, job: _Job) -> _Outcome:
+        """One write transaction: frame and put every chunk that fits the budget."""
+        ok: list[bytes] = []
+        over: list[bytes] = []
+        moved = 0
+        with self._gate.shared(), self._env.begin(db=self._db, write=True) as txn:
+            held = txn.stat(self._db)["entries"]
+            cursor = txn.cursor()
+            for key, view in zip(job.keys, job.views):
+                present = cursor.set_key(key)
+                if not present and held >= self.capacity_chunks:
+                    over.append(key)
+                    continue
+                txn.put(key, self._framer.frame(key, view))
+                held += not present
+                ok.append(key)
+                moved += view.nbytes
+        self._counters.add(puts=len(ok), put_failures=len(over))
+        return ok, over, moved
+
+    def _get(self, job: _Job) -> _Outcome:
+        if self._current_db() is None:  # read-only, and no writer created the namespace yet
+            self._counters.add(get_failures=len(job.keys))
+            return [], list(job.keys), 0
+        try:
+            ok, failed, moved, corrupt = self._get_txn(job)
+        except lmdb.MapResizedError:
+            raise
+        except lmdb.Error as exc:
+            logger.warning("lmdb tier: get job %d failed: %s", job.job_id, exc)
+            self._counters.add(get_failures=len(job.keys))
+            return [], list(job.keys), 0
+        self._counters.add(gets=len(ok), get_failures=len(failed), checksum_failures=corrupt)
+        return ok, failed, moved
+
+    def _get_txn(self, job: _Job) -> tuple[list[bytes], list[bytes], int, int]:
+        """One read transaction: verify each frame in the map, then copy its payload out."""
+        ok: list[bytes] = []
+        failed: list[bytes] = []
+        moved = corrupt = 0
+        with self._gate.shared(), self._env.begin(db=self._db, buffers=True) as txn:
+            for key, view in zip(job.keys, job.views):
+                frame = None if key in self._deleting else txn.get(key)
+                if frame is None:
+                    outcome = _Load.MISSING
+                else:
+                    outcome = self._framer.unframe(key, frame, view)
+                if outcome is _Load.OK:
+                    ok.append(key)
+                    moved += view.nbytes
+                else:
+                    failed.append(key)
+                    corrupt += outcome is _Load.CORRUPT
+        return ok, failed, moved, corrupt
+
+    def _delete(self, job: _Job) -> _Outcome:
+        try:
+            self._with_room(self._delete_txn, job)
+        except lmdb.MapResizedError:
+            raise
+        except lmdb.Error as exc:  # the chunks stay; a restart's recover() lists them again
+            logger.warning("lmdb tier: deleting %d chunks failed: %s", len(job.keys), exc)
+            self._counters.add(delete_failures=len(job.keys))
+        return [], [], 0
+
+    def _delete_txn(self, job: _Job) -> _Outcome:
+        with self._gate.shared(), self._env.begin(db=self._db, write=True) as txn:
+            for key in job.keys:
+                txn.delete(key)
+        return [], [], 0
+
+    def _forget_deleting(self, keys: list[bytes]) -> None:
+        with self._deleting_lock:
+            for key in keys:
+                left = self._deleting.get(key, 0) - 1
+                if left > 0:
+                    self._deleting[key] = left
+                else:
+                    self._deleting.pop(key, None)
+
+    # ------------------------------------------------------------------ environment
+    def _open_db(self, create: bool) -> Any:
+        """This namespace's and rank's sub-database; None if read-only and not created yet."""
+        name = database_name(self.context.namespace, self.context.rank)
+        try:
+            with self._gate.shared():
+                return self._env.open_db(name, create=create)
+        except lmdb.NotFoundError:
+            return None
+
+    def _current_db(self) -> Any:
+        """The handle, opened late when a read-only process started before any writer."""
+        if self._db is None:
+            with self._db_lock:
+                if self._db is None:
+                    self._db = self._open_db(create=False)
+        return self._db
+
+    # ------------------------------------------------------- owner-thread reads
+    def _owner_read(self, txn_body: Callable[..., _T], *args: Any, default: _T) -> _T:
+        """A short read on the owner's thread: never raises, ``default`` when there is nothing."""
+        try:
+            if self._closed or self._current_db() is None:
+                return default
+            try:
+                return txn_body(*args)
+            except lmdb.MapResizedError:
+                self._shared.adopt_grown_map()
+                return txn_body(*args)
+        except lmdb.Error as exc:
+            logger.warning("lmdb tier: %s failed: %s", txn_body.__name__.strip("_"), exc)
+            return default
+
+    def _contains_txn(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._gate.shared(), self._env.begin(db=self._db, buffers=True) as txn:
+            cursor = txn.cursor()
+            return [
+                self._storable(key) and key not in self._deleting and cursor.set_key(key)
+                for key in map(_as_bytes, keys)
+            ]
+
+    def _recover_txn(self) -> list[bytes]:
+        namespace = self.context.namespace
+        with self._gate.shared(), self._env.begin(db=self._db) as txn:
+            keys = txn.cursor().iternext(keys=True, values=False)
+            return [key for key in keys if key.startswith(namespace)]
+
+    def _held_chunks_txn(self) -> int:
+        with self._gate.shared(), self._env.begin(db=self._db) as txn:
+            return int(txn.stat(self._db)["entries"])
+
+
+def _in_order(job: _Job, failed: list[bytes]) -> list[bytes]:
+    """The job's failed keys, those refused at intake included, in submission order."""
+    if not job.refused:
+        return failed
+    gone = set(failed).union(job.refused)
+    return [key for key in job.submitted if key in gone]

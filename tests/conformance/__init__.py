@@ -1,0 +1,1 @@
+"""Conformance tests: the kit of tiercache.testing.conformance run against every backend we ship."""

@@ -1,0 +1,263 @@
+"""Chunk framing and checksums: what a lower tier stores, and the check on every load.
+
+Every chunk a lower tier holds (disk, LMDB, a remote store) is stored as a
+*frame*: a small header, then the payload (the chunk's bytes)::
+
+    offset  size  field
+    0       4     magic          b"TCKF"
+    4       1     version        FORMAT_VERSION (1)
+    5       1     algo           ALGO_XXH3_64 (1)
+    6       2     flags          0 (reserved)
+    8       8     checksum       xxh3_64, see below
+    16      8     namespace      the 8-byte namespace digest of the engine that wrote it
+    24      8     payload_len    bytes of payload
+    32      2     key_len        bytes of key
+    34      2     header_len     where the payload starts (>= 40 + key_len)
+    36      4     reserved       zero
+    40      k     key            the chunk key
+    40+k    ...   zero padding up to header_len
+    header_len    payload        payload_len bytes (a medium may pad after it)
+
+All integers are little endian. The checksum covers bytes ``[0, 8)`` and
+``[16, 40 + key_len)`` of the header (everything but the checksum field and
+the padding) followed by the payload, digested incrementally: no copy of the
+payload is made to checksum it.
+
+Two shapes of frame share the format: a *compact* frame (``header_len = 40 +
+key_len``, :func:`encode_frame`), for key-value media that store one value
+per chunk, and an *aligned* frame (``header_len = ALIGN``, payload padded to a
+multiple of ``ALIGN``) that the disk tier uses so that O_DIRECT I/O can go
+straight to and from page-aligned memory.
+
+A load that fails verification raises :class:`IntegrityError`
+(:class:`ChecksumMismatch` when the bytes are damaged, :class:`FrameFormatError`
+when the frame is not what was asked for: wrong magic, version, namespace,
+key or length). A backend turns it into a failed key plus a counter, never
+into bytes handed to the engine: :func:`decode_frame` copies a payload into
+the caller's buffer only after it verified.
+
+Buffers: every function here works on caller-owned buffers and keeps no
+reference to them after returning. Nothing here holds state; any thread may
+call any function.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+FRAME_MAGIC = b"TCKF"
+FORMAT_VERSION = 1
+ALGO_XXH3_64 = 1
+ALIGN = 4096  # page size: O_DIRECT buffers, offsets and lengths are multiples of it
+
+_FIXED = struct.Struct("<4sBBHQ8sQHH4x")
+FIXED_HEADER_BYTES = _FIXED.size  # 40
+_CHECKSUM_AT = 8  # the checksum field is bytes [8, 16)
+_CHECKSUM = struct.Struct("<Q")
+MAX_KEY_BYTES = ALIGN - FIXED_HEADER_BYTES  # a key always fits in one aligned header block
+_ZEROS = memoryview(bytes(ALIGN))
+
+
+class IntegrityError(ValueError):
+    """A stored frame failed verification; the chunk must be treated as a miss."""
+
+
+class ChecksumMismatch(IntegrityError):
+    """The frame is well formed but its bytes do not match their checksum (corruption)."""
+
+
+class FrameFormatError(IntegrityError):
+    """The bytes are not a frame of this format, or not the frame that was asked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """The decoded header of a frame (as stored; :func:`verify_frame` checks it)."""
+
+    version: int
+    algo: int
+    flags: int
+    checksum: int
+    namespace: bytes
+    payload_len: int
+    key: bytes
+    header_len: int
+
+
+# ---------------------------------------------------------------------------- sizes
+def round_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
+def compact_header_len(key_len: int) -> int:
+    """Header length of a compact frame (payload right after the key)."""
+    _check_key_len(key_len)
+    return FIXED_HEADER_BYTES + key_len
+
+
+def aligned_frame_bytes(payload_len: int) -> int:
+    """Size of an aligned frame: one ``ALIGN`` header block + the payload padded to ``ALIGN``."""
+    return ALIGN + round_up(payload_len)
+
+
+# ---------------------------------------------------------------------------- writing
+def pack_header(
+    into: memoryview | bytearray,
+    namespace: bytes,
+    key: bytes,
+    payload: memoryview | bytes,
+    header_len: int | None = None,
+) -> int:
+    """Write the header for ``payload`` into ``into[:header_len]``; return the checksum.
+
+    ``header_len`` defaults to the compact length; pass ``ALIGN`` for an aligned
+    frame. ``into`` must be writable and at least ``header_len`` bytes; the
+    padding between the key and ``header_len`` is zero-filled.
+    """
+    if len(namespace) != 8:
+        raise ValueError(f"namespace digest must be 8 bytes, got {len(namespace)}")
+    key_len = len(key)
+    min_len = compact_header_len(key_len)
+    header_len = min_len if header_len is None else header_len
+    if not min_len <= header_len <= 0xFFFF:
+        raise ValueError(f"header_len {header_len} outside [{min_len}, 65535]")
+    payload_len = _nbytes(payload)
+    _FIXED.pack_into(
+        into,
+        0,
+        FRAME_MAGIC,
+        FORMAT_VERSION,
+        ALGO_XXH3_64,
+        0,
+        0,
+        namespace,
+        payload_len,
+        key_len,
+        header_len,
+    )
+    into[FIXED_HEADER_BYTES:min_len] = key
+    _zero_fill(into, min_len, header_len)
+    checksum = frame_checksum(into, key_len, payload)
+    _CHECKSUM.pack_into(into, _CHECKSUM_AT, checksum)
+    return checksum
+
+
+def frame_header(
+    namespace: bytes, key: bytes, payload: memoryview | bytes, header_len: int | None = None
+) -> bytearray:
+    """A new header (``header_len`` bytes) for ``payload``; see :func:`pack_header`."""
+    out = bytearray(compact_header_len(len(key)) if header_len is None else header_len)
+    pack_header(out, namespace, key, payload, header_len)
+    return out
+
+
+def encode_frame(namespace: bytes, key: bytes, payload: memoryview | bytes) -> bytes:
+    """A compact frame (header + payload) as one ``bytes`` value, for key-value media."""
+    header = frame_header(namespace, key, payload)
+    return b"".join((header, payload))
+
+
+# ---------------------------------------------------------------------------- checking
+def frame_checksum(
+    header: memoryview | bytes | bytearray, key_len: int, payload: memoryview | bytes
+) -> int:
+    """xxh3_64 over the header (minus checksum field and padding) and the payload."""
+    digest = xxhash.xxh3_64()
+    hv = memoryview(header)
+    digest.update(hv[:_CHECKSUM_AT])
+    digest.update(hv[_CHECKSUM_AT + 8 : FIXED_HEADER_BYTES + key_len])
+    digest.update(payload)
+    return digest.intdigest()
+
+
+def read_header(header: memoryview | bytes | bytearray) -> FrameHeader:
+    """Decode a header; FrameFormatError if it is not one of this format."""
+    if len(header) < FIXED_HEADER_BYTES:
+        raise FrameFormatError(f"frame shorter than its fixed header ({len(header)} bytes)")
+    magic, version, algo, flags, checksum, namespace, payload_len, key_len, header_len = (
+        _FIXED.unpack_from(header, 0)
+    )
+    if magic != FRAME_MAGIC:
+        raise FrameFormatError(f"bad magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise FrameFormatError(f"unsupported frame version {version}")
+    if algo != ALGO_XXH3_64:
+        raise FrameFormatError(f"unknown checksum algorithm {algo}")
+    if key_len > MAX_KEY_BYTES or header_len < FIXED_HEADER_BYTES + key_len:
+        raise FrameFormatError(f"inconsistent lengths (key {key_len}, header {header_len})")
+    if len(header) < FIXED_HEADER_BYTES + key_len:
+        raise FrameFormatError("frame shorter than its key")
+    key = bytes(memoryview(header)[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + key_len])
+    return FrameHeader(version, algo, flags, checksum, namespace, payload_len, key, header_len)
+
+
+def verify_frame(
+    header: memoryview | bytes | bytearray,
+    payload: memoryview | bytes,
+    namespace: bytes,
+    key: bytes,
+) -> FrameHeader:
+    """Check that ``header`` + ``payload`` is the intact frame of ``key`` in ``namespace``.
+
+    ``payload`` must be exactly the stored payload (its length is checked
+    against the header). Raises FrameFormatError or ChecksumMismatch.
+    """
+    head = read_header(header)
+    if head.namespace != namespace:
+        raise FrameFormatError(
+            f"frame of namespace {head.namespace.hex()}, expected {namespace.hex()}"
+        )
+    if head.key != key:
+        raise FrameFormatError(f"frame of key {head.key.hex()}, expected {key.hex()}")
+    size = _nbytes(payload)
+    if head.payload_len != size:
+        raise FrameFormatError(f"payload of {head.payload_len} bytes, expected {size}")
+    actual = frame_checksum(header, len(key), payload)
+    if actual != head.checksum:
+        raise ChecksumMismatch(
+            f"checksum mismatch for key {key.hex()}: stored {head.checksum:016x}, "
+            f"computed {actual:016x}"
+        )
+    return head
+
+
+def decode_frame(
+    frame: memoryview | bytes | bytearray, namespace: bytes, key: bytes, out: memoryview
+) -> None:
+    """Verify a frame (compact or aligned) and copy its payload into ``out``.
+
+    ``out`` is written only if the frame verifies, and must be as long as the
+    payload. Raises IntegrityError otherwise, leaving ``out`` untouched.
+    """
+    fv = memoryview(frame).cast("B")
+    head = read_header(fv)
+    end = head.header_len + head.payload_len
+    if end > len(fv):
+        raise FrameFormatError(f"truncated frame: {len(fv)} bytes, header says {end}")
+    payload = fv[head.header_len : end]
+    verify_frame(fv[: head.header_len], payload, namespace, key)
+    dst = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    if len(dst) != head.payload_len:
+        raise FrameFormatError(f"output of {len(dst)} bytes for a {head.payload_len}-byte payload")
+    dst[:] = payload
+
+
+# ---------------------------------------------------------------------------- helpers
+def _nbytes(buf: memoryview | bytes | bytearray) -> int:
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)
+
+
+def _check_key_len(key_len: int) -> None:
+    if not 0 < key_len <= MAX_KEY_BYTES:
+        raise ValueError(f"key of {key_len} bytes; keys are 1..{MAX_KEY_BYTES} bytes")
+
+
+def _zero_fill(buf: memoryview | bytearray, start: int, end: int) -> None:
+    while start < end:
+        n = min(end - start, len(_ZEROS))
+        buf[start : start + n] = _ZEROS[:n]
+        start += n
