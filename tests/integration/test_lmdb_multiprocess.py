@@ -145,7 +145,9 @@ def read_until_all(path: pathlib.Path, count: int, readonly: bool) -> dict[str, 
             n = len(visible)
             assert n % BATCH == 0, f"saw {n} chunks: part of a transaction"
             assert visible == set(expected[:n]), "saw chunks out of commit order"
-            assert tier.contains(expected[: n + 1]) == [True] * n + [False] * (n < count)
+            # Commits only add: what recover() saw is still there (the next batch may
+            # have landed since, so the key after it can be either).
+            assert tier.contains(expected[:n]) == [True] * n
             result = get_exact(tier, sorted(visible))
             assert result.ok, f"{len(result.failed_keys)} visible chunks failed to load"
             rounds += 1
