@@ -26,6 +26,8 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "cpu": "tiercache.backends.cpu:HostTier",
     "disk": "tiercache.backends.disk:DiskBackend",
     "lmdb": "tiercache.backends.lmdb:LMDBBackend",
+    "redis": "tiercache.backends.redis:RedisBackend",
+    "server": "tiercache.backends.server:ServerBackend",
 }
 
 
