@@ -1,0 +1,974 @@
+"""The Redis tier: framed chunks in a Redis server or a Redis Cluster shared by many engines.
+
+Keys and values. A chunk lives under ``b"tc:" + key``. The chunk key already
+starts with the engine's 8-byte namespace digest (which covers model, KV
+layout, TP rank and size, ...: DESIGN.md section 2), so engines read exactly
+the chunks they can use, and ``SCAN MATCH tc:*`` finds tiercache's keys in a
+shared server. The value is a compact frame of :mod:`tiercache.integrity`
+(header with namespace, key, payload length and xxh3_64 checksum, then the
+payload). Every load verifies the frame before one byte reaches the caller's
+buffer: a damaged, truncated or foreign value is a miss, counted in
+``stats()["checksum_failures"]``. With ``ttl_seconds`` every SET carries
+``EX``, so chunks nobody rewrites expire.
+
+Cluster (``cluster: true``). redis-py's ``RedisCluster`` keeps the slot map.
+Keys carry no hash tag: the chunks of one sequence hash to different slots
+and so spread over the masters; a job's pipeline is split per node by
+redis-py's cluster pipeline (one round trip per node per batch), which also
+follows MOVED and ASK while slots migrate. A hash tag would put a sequence on
+one master and buy nothing, since no command here spans keys.
+
+I/O. Puts are pipelined ``SET`` (``pipeline_batch`` keys per round trip);
+gets pipelined ``GET``; deletes pipelined ``UNLINK`` (the server frees large
+values off its main thread); lookups pipelined ``EXISTS``. A frame is never
+assembled in memory: the connections use a serializer
+(:class:`_FramePacker`) that sends a frame argument as the RESP length, the
+frame header and the caller's payload view as separate pieces, so a payload
+goes from the engine's buffer to the socket without a copy (redis-py's hiredis
+serializer copies every value twice). Replies are parsed by hiredis.
+
+Asynchronous lookups. The scheduler must not wait for a network round trip
+(DESIGN.md section 3: a lookup answers None and is asked again next step)::
+
+    backend.submit_contains(request_id, keys)        # returns at once
+    ...                                              # a later scheduler step:
+    for token, held in backend.poll_contains():      # never blocks
+        ...                                          # held[i]: keys[i] is in Redis
+
+Each submit is answered exactly once, by a thread of its own (lookups never
+queue behind chunk I/O); while the server is down, lookups answer all False
+without I/O. ``contains(keys)`` is the blocking form: one round trip on the
+caller's thread (all False, at once, while the tier is down; right after
+construction it waits for the first connection attempt).
+
+Budget. A shared tier is not owned by one engine: Redis evicts by its own
+``maxmemory-policy`` (``allkeys-lru``, or ``volatile-lru`` with a TTL, is what
+a cache wants) and by TTL. ``context.capacity_bytes`` is advisory (the
+manager's own accounting); this backend does not enforce it. It enforces only
+that a value is a chunk: a put's view holds 1 to ``chunk_bytes`` bytes, and a
+loaded frame's payload is exactly as long as the caller's buffer. A chunk the
+manager believes stored may vanish at any time (eviction, TTL, a flush,
+another engine's delete); its load then fails as a miss. A put and a delete
+of one key that are in flight together may reach Redis in either order; both
+outcomes (the chunk, or a miss) are valid states of a cache. The memory a
+chunk really costs in Redis is its frame plus the server's per-key overhead
+and jemalloc's size-class rounding, which :meth:`RedisBackend.footprint` does
+not try to predict: a value of a power-of-two size plus anything (Redis's own
+string header is enough, framed or not) lands in the next size class, so a
+256 KiB, 1 MiB or 4 MiB chunk occupies 320 KiB, 1.25 MiB or 5 MiB
+(``MEMORY USAGE``); size ``maxmemory`` for that.
+
+Restarts. :meth:`RedisBackend.recover` returns nothing: a shared tier is
+looked up, not owned, and Redis keeps its data across a reconnect of the
+client, so there is no directory to rebuild.
+
+Failures. A connection-level error (refused, reset, socket timeout, cluster
+down, authentication) fails the rest of that job, counts in
+``connection_errors`` and marks the tier *down*. While down every job and
+lookup fails at once (no I/O, so a dead Redis costs the engine nothing but
+misses), and one reconnect thread tries to connect again after
+``reconnect_initial_s``, doubling the wait up to ``reconnect_max_s`` (plus up
+to 25% jitter, so engines do not return in lockstep). A successful probe (a
+fresh client and a PING of every master) brings the tier back *up* and counts
+in ``reconnects``. An error reply for one command (OOM under ``noeviction``, a
+read-only replica) fails that key and counts in ``server_errors``. Nothing
+raises into the caller after construction; construction raises only for
+invalid settings, never because Redis is unreachable.
+
+Threads. The owner's thread calls ``submit_put``, ``submit_get``,
+``submit_contains``, ``poll``, ``poll_contains``, ``delete``, ``stats``,
+``contains`` and ``close``; none of them waits for I/O except ``contains``
+and ``close`` (which finishes the queued jobs first).
+``io_threads`` threads (:class:`_Lane`) run put, get and delete jobs, gets and
+deletes before puts (a get is what a request waits for); a one-thread lane
+runs lookups; the reconnect thread (:class:`_Link`) owns the client's life:
+it creates the client, probes, and replaces it after an outage. Results reach
+the owner through locked lists. Counters are bumped under a lock.
+
+Buffers. A job holds the caller's views from submit until its JobResult is
+published and drops them before; the frame headers it builds and the reply
+bytes hiredis allocates are its own. The serializer hands the payload view to
+the socket, never keeping it past the send.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import numpy as np
+import redis
+from pydantic import Field, SecretStr, field_validator, model_validator
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterError, RedisClusterException, RedisError
+from redis.retry import Retry
+
+from tiercache import integrity
+from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+
+logger = logging.getLogger(__name__)
+
+#: Prefix of every Redis key this tier writes (a shared server stays inspectable).
+KEY_TAG = b"tc:"
+#: Longest chunk key this tier stores (namespace 8 + prefix hash + group 4; vLLM's
+#: block hashes are at most 32 bytes); :meth:`RedisBackend.footprint` counts this length.
+MAX_KEY_BYTES = 128
+#: Keys per pipeline round trip for the small commands (EXISTS, UNLINK).
+SMALL_BATCH = 1024
+#: URL schemes of a single server: TCP, TLS, unix socket.
+SCHEMES = ("redis", "rediss", "unix")
+
+Client = redis.Redis | RedisCluster
+#: Errors that say the server (or the path to it) is gone, not that one command failed.
+_TROUBLE: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ClusterError,  # ClusterDownError, MasterDownError: no usable master for a slot
+    RedisClusterException,  # no reachable startup node, slot not covered
+    OSError,
+)
+
+
+class RedisSettings(BackendSettings):
+    """Options of a ``redis`` tier (``tiers[i].options`` in YAML)."""
+
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description=(
+            "Server URL: redis://[user:password@]host:port/db, rediss:// (TLS) or "
+            "unix:///path.sock?db=N. With cluster: true, a seed node unless `nodes` is given."
+        ),
+    )
+    cluster: bool = Field(default=False, description="Talk to a Redis Cluster (RedisCluster).")
+    nodes: tuple[str, ...] = Field(
+        default=(), description="Cluster seed nodes as host:port (cluster: true only)."
+    )
+    ttl_seconds: int | None = Field(
+        default=None, ge=1, description="Expire every chunk this long after it was written."
+    )
+    pipeline_batch: int = Field(
+        default=16, ge=1, le=10_000, description="Chunks per pipelined round trip."
+    )
+    socket_timeout: float = Field(
+        default=2.0, gt=0, description="Seconds one socket read or write may take."
+    )
+    connect_timeout: float = Field(default=1.0, gt=0, description="Seconds to connect.")
+    max_connections: int = Field(
+        default=16, ge=3,
+        description="Connections per server (node); at least io_threads + 2.",
+    )
+    username: str | None = Field(default=None, description="ACL user, if the URL names none.")
+    password: SecretStr | None = Field(
+        default=None, description="Password, if the URL carries none (keeps it out of the URL)."
+    )
+    io_threads: int = Field(
+        default=2, ge=1, le=64, description="Threads running put/get/delete jobs."
+    )
+    reconnect_initial_s: float = Field(
+        default=0.1, gt=0, description="First wait before reconnecting after an outage."
+    )
+    reconnect_max_s: float = Field(
+        default=10.0, gt=0, description="Longest wait between reconnect attempts."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: str) -> str:
+        scheme = urlsplit(url).scheme
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+        return url
+
+    @field_validator("nodes")
+    @classmethod
+    def _host_ports(cls, nodes: tuple[str, ...]) -> tuple[str, ...]:
+        for node in nodes:
+            parse_host_port(node)
+        return nodes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RedisSettings:
+        url = urlsplit(self.url)
+        if self.nodes and not self.cluster:
+            raise ValueError("nodes is for cluster: true; a single server is named by url")
+        if self.cluster and url.scheme != "redis":
+            raise ValueError("cluster: true supports redis:// seed nodes only (no TLS, no unix)")
+        if self.cluster and url.path not in ("", "/", "/0"):
+            raise ValueError("a Redis Cluster has database 0 only")
+        if (self.username and url.username) or (self.password and url.password):
+            raise ValueError("name the username and password either in the url or as options")
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
+        if self.max_connections < self.io_threads + 2:
+            raise ValueError(
+                f"max_connections {self.max_connections} < io_threads + 2 "
+                f"({self.io_threads + 2}: the I/O threads, the lookup thread, the owner)"
+            )
+        return self
+
+
+def parse_host_port(node: str) -> tuple[str, int]:
+    """``"10.0.0.5:7000"`` -> ``("10.0.0.5", 7000)``; ValueError if it is not host:port."""
+    host, sep, port = node.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{node!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def redis_key(key: bytes) -> bytes:
+    """The Redis key of a chunk key."""
+    return KEY_TAG + key
+
+
+# ------------------------------------------------------------------- serializing frames
+class _Framed:
+    """A frame as one command argument: our header, then the caller's payload (not joined)."""
+
+    __slots__ = ("header", "payload")
+
+    def __init__(self, header: bytes | bytearray, payload: memoryview) -> None:
+        self.header = header
+        self.payload = payload
+
+    def __len__(self) -> int:
+        return len(self.header) + self.payload.nbytes
+
+    def __repr__(self) -> str:
+        return f"<frame of {len(self)} bytes>"
+
+
+class _FramePacker:
+    """redis-py's command serializer, taught one more argument type: :class:`_Framed`.
+
+    A command without a frame goes to redis-py's own serializer. One with a
+    frame becomes RESP pieces: the bytes up to the frame's payload (the frame
+    header included) joined, then the payload view itself, which the
+    connection passes straight to ``socket.sendall``.
+    """
+
+    def __init__(self, fallback: Any) -> None:
+        self._fallback = fallback
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(type(arg) is _Framed for arg in args):
+            return self._fallback.pack(*args)
+        pieces: list[bytes | memoryview] = []
+        head = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            if type(arg) is _Framed:
+                head += (b"$%d\r\n" % len(arg), bytes(arg.header))
+                pieces += (b"".join(head), arg.payload)
+                head = [b"\r\n"]
+            else:
+                value = _encode_arg(arg)
+                head += (b"$%d\r\n" % len(value), value, b"\r\n")
+        pieces.append(b"".join(head))
+        return pieces
+
+
+def _encode_arg(arg: Any) -> bytes:
+    if isinstance(arg, bytes):
+        return arg
+    if isinstance(arg, str):
+        return arg.encode()
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        return b"%d" % arg
+    if isinstance(arg, (bytearray, memoryview)):
+        return bytes(arg)
+    raise redis.DataError(f"cannot send an argument of type {type(arg).__name__}")
+
+
+class _FramingMixin:
+    """Connections whose serializer sends frames without joining them (see _FramePacker)."""
+
+    def _construct_command_packer(self, packer: Any) -> _FramePacker:
+        return _FramePacker(super()._construct_command_packer(packer))  # type: ignore[misc]
+
+
+class _FramingConnection(_FramingMixin, redis.Connection):
+    pass
+
+
+class _FramingSSLConnection(_FramingMixin, redis.SSLConnection):
+    pass
+
+
+class _FramingUnixConnection(_FramingMixin, redis.UnixDomainSocketConnection):
+    pass
+
+
+_CONNECTIONS: dict[str, type[Any]] = {
+    "redis": _FramingConnection,
+    "rediss": _FramingSSLConnection,
+    "unix": _FramingUnixConnection,
+}
+
+
+def connect(settings: RedisSettings, client_name: str) -> Client:
+    """A new client for ``settings`` that has answered a PING (every master, for a cluster).
+
+    redis-py's own retries are off (one attempt, no sleep): this tier decides
+    when to try again. Raises a RedisError, RedisClusterException or OSError
+    when the server is not there.
+    """
+    common: dict[str, Any] = {
+        "socket_timeout": settings.socket_timeout,
+        "socket_connect_timeout": settings.connect_timeout,
+        "socket_keepalive": True,
+        "max_connections": settings.max_connections,
+        "retry": Retry(NoBackoff(), 0),
+        "client_name": client_name,
+    }
+    url = urlsplit(settings.url)
+    username = settings.username or url.username
+    password = settings.password.get_secret_value() if settings.password else url.password
+    if username:
+        common["username"] = username
+    if password:
+        common["password"] = password
+    client = _cluster_client(settings, common) if settings.cluster else _client(settings, common)
+    try:
+        if isinstance(client, RedisCluster):
+            client.ping(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            client.ping()
+    except BaseException:
+        close_client(client)
+        raise
+    return client
+
+
+def _client(settings: RedisSettings, common: dict[str, Any]) -> redis.Redis:
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.url,
+        connection_class=_CONNECTIONS[urlsplit(settings.url).scheme],
+        timeout=settings.connect_timeout,  # waiting for a free connection
+        **common,
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def _cluster_client(settings: RedisSettings, common: dict[str, Any]) -> RedisCluster:
+    """A RedisCluster whose node connections are framing ones.
+
+    redis-py hands ``connection_class`` to the nodes' connection pools only
+    when the cluster is opened from a URL, so the first seed is given as one
+    (its port and host only: credentials travel in ``common``).
+    """
+    url = urlsplit(settings.url)
+    seeds = [parse_host_port(node) for node in settings.nodes] or [
+        (url.hostname or "127.0.0.1", url.port or 6379)
+    ]
+    host, port = seeds[0]
+    return RedisCluster(
+        url=f"redis://{f'[{host}]' if ':' in host else host}:{port}/0",
+        startup_nodes=[ClusterNode(h, p) for h, p in seeds[1:]],
+        connection_class=_FramingConnection,
+        require_full_coverage=True,
+        **common,
+    )
+
+
+def close_client(client: Client) -> None:
+    """Close ``client`` and every connection of its pools; errors are logged, not raised."""
+    try:
+        client.close()
+        if isinstance(client, redis.Redis):  # a pool passed in is not closed by close()
+            client.connection_pool.disconnect()
+    except (RedisError, RedisClusterException, OSError) as exc:
+        logger.debug("redis tier: closing a client: %s", exc)
+
+
+# ------------------------------------------------------------------- the link to Redis
+class LinkState(enum.Enum):
+    STARTING = "starting"  # the first connection attempt has not finished
+    UP = "up"
+    DOWN = "down"
+
+
+class _Link:
+    """The current client, whether Redis is reachable, and the reconnect thread.
+
+    ``client()`` never waits for I/O: it returns the client while the tier is
+    up and None while it is down. Only the reconnect thread connects; it sleeps
+    while the tier is up and wakes when a user reports trouble.
+    """
+
+    def __init__(
+        self, settings: RedisSettings, counters: _Counters, name: str,
+        make_client: Callable[[], Client],
+    ) -> None:
+        self._settings = settings
+        self._counters = counters
+        self._name = name
+        self._make_client = make_client
+        self._cond = threading.Condition()
+        self._state = LinkState.STARTING
+        self._client: Client | None = None
+        self._retry_at = 0.0
+        self._backoff = settings.reconnect_initial_s
+        self._ever_up = False
+        self._closing = False
+        self._thread = threading.Thread(target=self._serve, name=f"{name}-reconnect", daemon=True)
+        self._thread.start()
+
+    @property
+    def state(self) -> LinkState:
+        return self._state
+
+    def client(self, wait_for_start: bool = False) -> Client | None:
+        """The client if the tier is up, else None. ``wait_for_start``: while the very first
+        connection attempt runs, wait for it (bounded by the socket timeouts)."""
+        with self._cond:
+            if wait_for_start and self._state is LinkState.STARTING:
+                limit = 2 * (self._settings.connect_timeout + self._settings.socket_timeout)
+                self._cond.wait_for(
+                    lambda: self._state is not LinkState.STARTING or self._closing, timeout=limit
+                )
+            return self._client if self._state is LinkState.UP and not self._closing else None
+
+    def trouble(self, client: Client, exc: BaseException) -> None:
+        """A user of ``client`` hit a connection-level error: count it; the tier goes down."""
+        self._counters.add(connection_errors=1)
+        with self._cond:
+            if client is not self._client or self._state is not LinkState.UP:
+                return  # an error of a client already replaced, or already known
+            self._state = LinkState.DOWN
+            self._backoff = self._settings.reconnect_initial_s
+            self._retry_at = time.monotonic() + self._jittered(self._backoff)
+            self._cond.notify_all()
+        logger.warning("redis tier %s: down (%s: %s); reconnecting with backoff",
+                       self._name, type(exc).__name__, exc)
+
+    def close(self) -> None:
+        """Stop the reconnect thread and close the client."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._cond:
+            client, self._client = self._client, None
+        if client is not None:
+            close_client(client)
+
+    # ---------------------------------------------------------- reconnect thread
+    def _serve(self) -> None:
+        while self._await_attempt():
+            self._attempt()
+
+    def _await_attempt(self) -> bool:
+        """Sleep until a connection attempt is due; False when closing."""
+        with self._cond:
+            while not self._closing:
+                if self._state is LinkState.UP:
+                    self._cond.wait()
+                    continue
+                delay = self._retry_at - time.monotonic()
+                if delay <= 0:
+                    return True
+                self._cond.wait(timeout=delay)
+            return False
+
+    def _attempt(self) -> None:
+        self._counters.add(connect_attempts=1)
+        try:
+            client = self._make_client()
+        except (RedisError, OSError, RedisClusterException) as exc:
+            self._attempt_failed(exc)
+            return
+        except Exception as exc:  # unforeseen: logged in full, retried like any failure
+            logger.exception("redis tier %s: connecting failed unexpectedly", self._name)
+            self._attempt_failed(exc)
+            return
+        with self._cond:
+            old, self._client = self._client, client
+            self._state = LinkState.UP
+            self._backoff = self._settings.reconnect_initial_s
+            again, self._ever_up = self._ever_up, True
+            self._cond.notify_all()
+        if again:
+            self._counters.add(reconnects=1)
+            logger.warning("redis tier %s: reconnected", self._name)
+        if old is not None:
+            close_client(old)
+
+    def _attempt_failed(self, exc: BaseException) -> None:
+        with self._cond:
+            first = self._state is LinkState.STARTING
+            if not first:  # waits: initial, 2x initial, 4x initial, ... up to the maximum
+                self._backoff = min(2 * self._backoff, self._settings.reconnect_max_s)
+            self._state = LinkState.DOWN
+            wait = self._jittered(self._backoff)
+            self._retry_at = time.monotonic() + wait
+            self._cond.notify_all()
+        log = logger.warning if first else logger.debug
+        log("redis tier %s: cannot connect (%s: %s); next attempt in %.2fs",
+            self._name, type(exc).__name__, exc, wait)
+
+    def _jittered(self, seconds: float) -> float:
+        return seconds * (1.0 + 0.25 * random.random())
+
+
+# ----------------------------------------------------------------------------- threads
+JobKind = Literal["put", "get", "delete", "contains"]
+
+
+@dataclass(slots=True)
+class _Job:
+    kind: JobKind
+    job_id: Any  # an int job id, or a lookup's token
+    keys: list[bytes]  # the chunk keys that reach Redis
+    views: list[memoryview] = field(default_factory=list)
+    submitted: list[Any] = field(default_factory=list)  # every key as submitted, refused too
+    refused: list[int] = field(default_factory=list)  # positions in ``submitted`` failed at intake
+
+
+class _Lane:
+    """Threads running jobs from prioritized queues: queue 0 first, FIFO within a queue."""
+
+    def __init__(self, name: str, threads: int, queues: int, run: Callable[[_Job], None]) -> None:
+        self._run = run
+        self._cond = threading.Condition()
+        self._queues: list[deque[_Job]] = [deque() for _ in range(queues)]
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def push(self, job: _Job, queue: int = 0) -> None:
+        with self._cond:
+            self._queues[queue].append(job)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Run the queued jobs, then end the threads."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    def _serve(self) -> None:
+        while (job := self._next()) is not None:
+            self._run(job)
+
+    def _next(self) -> _Job | None:
+        with self._cond:
+            while True:
+                for queue in self._queues:
+                    if queue:
+                        return queue.popleft()
+                if self._stopping:
+                    return None
+                self._cond.wait()
+
+
+_COUNTERS = (
+    "puts", "gets", "put_failures", "get_failures", "checksum_failures", "delete_failures",
+    "lookups", "lookup_failures", "server_errors", "connection_errors", "connect_attempts",
+    "reconnects",
+)
+
+
+class _Counters:
+    """Event counts, bumped by any thread, read by the owner."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(_COUNTERS, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+class _Load(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"
+    CORRUPT = "corrupt"  # failed verification: damaged, foreign, or not this key's frame
+    WRONG_SIZE = "wrong_size"  # intact, but the caller's buffer has another length
+    ERROR = "error"  # an error reply for this key
+
+
+_Outcome = tuple[list[bytes], list[bytes], int]  # ok keys, failed keys, payload bytes moved
+_I = TypeVar("_I")
+
+
+# ----------------------------------------------------------------------------- backend
+class RedisBackend(Backend):
+    """Chunks in Redis or Redis Cluster; see the module docstring for keys, threads, failures."""
+
+    name = "redis"
+    settings_model = RedisSettings
+
+    @classmethod
+    def footprint(cls, chunk_bytes: int) -> int:
+        """Bytes of one chunk's largest frame (advisory: Redis adds its own overhead)."""
+        return integrity.compact_header_len(MAX_KEY_BYTES) + chunk_bytes
+
+    def __init__(self, settings: RedisSettings, context: BackendContext) -> None:
+        """Start the threads and the first connection attempt; never waits for Redis."""
+        if len(context.namespace) != 8:
+            raise ValueError(f"namespace digest must be 8 bytes, got {len(context.namespace)}")
+        self.settings = settings
+        self.context = context
+        self._counters = _Counters()
+        self._results: list[JobResult] = []
+        self._answers: list[tuple[Hashable, list[bool]]] = []
+        self._results_lock = threading.Lock()
+        # key -> its queued deletes not yet done; gets and lookups miss such keys.
+        self._deleting: dict[bytes, int] = {}
+        self._deleting_lock = threading.Lock()
+        self._closed = False
+        name = f"redis-{context.tier_name}"
+        client_name = _client_name(context)
+        self._link = _Link(settings, self._counters, name,
+                           lambda: connect(settings, client_name))
+        self._io = _Lane(f"{name}-io", settings.io_threads, 2, self._run)
+        self._lookups = _Lane(f"{name}-lookup", 1, 1, self._run)
+
+    # ------------------------------------------------------------------ owner thread
+    @property
+    def state(self) -> LinkState:
+        """Whether the tier is up (see the module docstring, Failures)."""
+        return self._link.state
+
+    def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+        job = self._intake("put", job_id, keys, views)
+        if job is not None:
+            self._io.push(job, queue=1)
+
+    def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+        job = self._intake("get", job_id, keys, views)
+        if job is not None:
+            self._io.push(job, queue=0)
+
+    def poll(self) -> list[JobResult]:
+        with self._results_lock:
+            results, self._results = self._results, []
+        return results
+
+    def submit_contains(self, token: Hashable, keys: Sequence[bytes]) -> None:
+        """Ask which ``keys`` Redis holds; the answer comes once from :meth:`poll_contains`."""
+        wanted = [_as_bytes(k) for k in keys]
+        if self._closed or not any(map(self._storable, wanted)):
+            self._answer(token, [False] * len(wanted))
+        else:
+            self._lookups.push(_Job("contains", token, wanted))
+
+    def poll_contains(self) -> list[tuple[Hashable, list[bool]]]:
+        """Answers to :meth:`submit_contains` since the last call: ``(token, held)``; never blocks."""
+        with self._results_lock:
+            answers, self._answers = self._answers, []
+        return answers
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys Redis holds now: one round trip on this thread (all False while down).
+
+        Right after construction it first waits for the first connection attempt.
+        """
+        wanted = [_as_bytes(k) for k in keys]
+        client = None if self._closed else self._link.client(wait_for_start=True)
+        if client is None:
+            return [False] * len(wanted)
+        return self._exists(client, wanted)
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Queue the keys' removal; gets and lookups miss them from now on."""
+        keys = [k for k in map(_as_bytes, keys) if self._storable(k)]
+        if self._closed or not keys:
+            return
+        with self._deleting_lock:
+            for key in keys:
+                self._deleting[key] = self._deleting.get(key, 0) + 1
+        self._io.push(_Job("delete", -1, keys), queue=0)
+
+    def recover(self) -> tuple[bytes, ...]:
+        """Nothing: a shared tier is looked up, not owned (see the module docstring)."""
+        return ()
+
+    def stats(self) -> dict[str, int | str]:
+        """Event counts since open (see ``_COUNTERS``), ``state`` (starting/up/down) and ``up``."""
+        out: dict[str, int | str] = dict(self._counters.snapshot())
+        out["state"] = self._link.state.value
+        out["up"] = int(self._link.state is LinkState.UP)
+        return out
+
+    def close(self) -> None:
+        """Finish the queued jobs, then stop the threads and close the client. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._io.stop()
+        self._lookups.stop()
+        self._link.close()
+        with self._results_lock:
+            self._results.clear()
+            self._answers.clear()
+
+    # ------------------------------------------------------------------- job intake
+    def _intake(
+        self, kind: Literal["put", "get"], job_id: int, keys: Sequence[bytes],
+        views: Sequence[memoryview],
+    ) -> _Job | None:
+        """Check a job's keys and buffers on the owner thread; None once it is already reported."""
+        job = _Job(kind, job_id, [], submitted=[_as_bytes(k) for k in keys])
+        if self._closed or len(keys) != len(views):
+            job.refused = list(range(len(job.submitted)))
+        else:
+            for i, (key, view) in enumerate(zip(job.submitted, views)):
+                flat = _byte_view(view, writable=kind == "get")
+                usable = flat is not None and 0 < flat.nbytes <= self.context.chunk_bytes
+                if usable and self._storable(key):
+                    job.keys.append(key)
+                    job.views.append(flat)  # type: ignore[arg-type]
+                else:
+                    job.refused.append(i)
+        if job.refused:
+            self._counters.add(**{f"{kind}_failures": len(job.refused)})
+        if job.keys:
+            return job
+        self._push(JobResult(job_id, (), tuple(job.submitted), 0, 0.0))
+        return None
+
+    def _storable(self, key: Any) -> bool:
+        """A key of this namespace that the frame format and the budget allow."""
+        return (
+            isinstance(key, bytes)
+            and len(key) <= MAX_KEY_BYTES
+            and key.startswith(self.context.namespace)
+        )
+
+    def _push(self, result: JobResult) -> None:
+        with self._results_lock:
+            self._results.append(result)
+
+    def _answer(self, token: Hashable, held: list[bool]) -> None:
+        with self._results_lock:
+            self._answers.append((token, held))
+
+    # --------------------------------------------------------------- worker threads
+    def _run(self, job: _Job) -> None:
+        """Run one job to its result or answer; nothing escapes into the thread."""
+        if job.kind == "contains":
+            self._answer(job.job_id, self._lookup(job.keys))
+            return
+        start = time.perf_counter()
+        try:
+            ok, failed, moved = self._dispatch(job)
+        except Exception:  # a bug or an unforeseen client state: the job fails, the tier lives
+            logger.exception("redis tier: %s job %r failed", job.kind, job.job_id)
+            ok, failed, moved = [], list(job.keys), 0
+            if job.kind != "delete":
+                self._counters.add(**{f"{job.kind}_failures": len(failed)})
+        finally:
+            job.views.clear()  # no reference to the caller's buffers outlives the job
+            if job.kind == "delete":
+                self._forget_deleting(job.keys)
+        if job.kind != "delete":
+            failed = _in_order(job, failed)
+            self._push(JobResult(job.job_id, tuple(ok), tuple(failed), moved,
+                                 time.perf_counter() - start))
+
+    def _dispatch(self, job: _Job) -> _Outcome:
+        client = self._link.client(wait_for_start=True)
+        if job.kind == "put":
+            return self._put(client, job)
+        if job.kind == "get":
+            return self._get(client, job)
+        self._delete(client, job)
+        return [], [], 0
+
+    def _lookup(self, keys: list[bytes]) -> list[bool]:
+        try:
+            return self._exists(self._link.client(wait_for_start=True), keys)
+        except Exception:  # as in _run: the lookup misses, the tier lives
+            logger.exception("redis tier: lookup of %d keys failed", len(keys))
+            return [False] * len(keys)
+
+    def _put(self, client: Client | None, job: _Job) -> _Outcome:
+        ok: list[bytes] = []
+        moved = errors = 0
+        ex = ("EX", self.settings.ttl_seconds) if self.settings.ttl_seconds else ()
+
+        def command(pair: tuple[bytes, memoryview]) -> tuple[Any, ...]:
+            key, view = pair
+            header = integrity.frame_header(self.context.namespace, key, view)
+            return ("SET", redis_key(key), _Framed(header, view), *ex)
+
+        pairs = list(zip(job.keys, job.views))
+        for batch, replies in self._pipelines(client, pairs, self.settings.pipeline_batch, command):
+            for (key, view), reply in zip(batch, replies):
+                if isinstance(reply, BaseException):
+                    errors += self._reply_error(client, reply)
+                else:
+                    ok.append(key)
+                    moved += view.nbytes
+        failed = _missing(job.keys, ok)
+        self._counters.add(puts=len(ok), put_failures=len(failed), server_errors=errors)
+        return ok, failed, moved
+
+    def _get(self, client: Client | None, job: _Job) -> _Outcome:
+        ok: list[bytes] = []
+        moved = corrupt = errors = 0
+        pairs = [(k, v) for k, v in zip(job.keys, job.views) if k not in self._deleting]
+        batches = self._pipelines(client, pairs, self.settings.pipeline_batch,
+                                  lambda pair: ("GET", redis_key(pair[0])))
+        for batch, replies in batches:
+            for i, (key, view) in enumerate(batch):
+                outcome = self._unframe(client, key, replies[i], view)
+                replies[i] = None  # let a large reply go as soon as it is used
+                if outcome is _Load.OK:
+                    ok.append(key)
+                    moved += view.nbytes
+                corrupt += outcome is _Load.CORRUPT
+                errors += outcome is _Load.ERROR
+        failed = _missing(job.keys, ok)
+        self._counters.add(gets=len(ok), get_failures=len(failed), checksum_failures=corrupt,
+                           server_errors=errors)
+        return ok, failed, moved
+
+    def _unframe(self, client: Client | None, key: bytes, reply: Any, out: memoryview) -> _Load:
+        """Verify ``reply`` as ``key``'s frame, then copy its payload into ``out`` (else untouched)."""
+        if reply is None:
+            return _Load.MISSING
+        if isinstance(reply, BaseException):
+            return _Load.ERROR if self._reply_error(client, reply) else _Load.MISSING
+        frame = memoryview(reply)
+        header_len = integrity.compact_header_len(len(key))
+        try:
+            if frame.nbytes < header_len:
+                raise integrity.FrameFormatError(f"a value of {frame.nbytes} bytes is no frame")
+            payload = frame[header_len:]
+            integrity.verify_frame(frame[:header_len], payload, self.context.namespace, key)
+        except integrity.IntegrityError as exc:
+            logger.warning("redis tier: dropping chunk %s: %s", key.hex(), exc)
+            return _Load.CORRUPT
+        if payload.nbytes != out.nbytes:
+            return _Load.WRONG_SIZE
+        np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
+        return _Load.OK
+
+    def _exists(self, client: Client | None, keys: list[bytes]) -> list[bool]:
+        """Pipelined EXISTS of each key; False for keys being deleted, and on trouble."""
+        held = [False] * len(keys)
+        asked = [i for i, k in enumerate(keys) if self._storable(k) and k not in self._deleting]
+        answered = 0
+        batches = self._pipelines(client, asked, SMALL_BATCH,
+                                  lambda i: ("EXISTS", redis_key(keys[i])))
+        for batch, replies in batches:
+            for i, reply in zip(batch, replies):
+                held[i] = reply == 1
+            answered += len(batch)
+        self._counters.add(lookups=len(keys), lookup_failures=len(asked) - answered)
+        return held
+
+    def _delete(self, client: Client | None, job: _Job) -> None:
+        done = 0
+        batches = self._pipelines(client, job.keys, SMALL_BATCH,
+                                  lambda key: ("UNLINK", redis_key(key)))
+        for _, replies in batches:
+            done += sum(not isinstance(r, BaseException) for r in replies)
+        if done < len(job.keys):  # those chunks stay until TTL or eviction: only stale hits
+            self._counters.add(delete_failures=len(job.keys) - done)
+
+    def _pipelines(
+        self, client: Client | None, items: list[_I], size: int,
+        command: Callable[[_I], tuple[Any, ...]],
+    ) -> Iterator[tuple[list[_I], list[Any]]]:
+        """``(batch, replies)`` per pipeline of ``size`` items, while ``client`` is the live one.
+
+        A connection-level error reports trouble and ends the iteration; an
+        error reply of one command is an exception object in its reply's place.
+        """
+        for batch in _batches(items, size):
+            if client is None or self._link.client() is not client:
+                return
+            pipe = client.pipeline(transaction=False)
+            try:
+                for item in batch:
+                    pipe.execute_command(*command(item))
+                replies = pipe.execute(raise_on_error=False)
+            except _TROUBLE as exc:
+                self._link.trouble(client, exc)
+                return
+            yield batch, replies
+
+    def _reply_error(self, client: Client | None, error: BaseException) -> int:
+        """Classify an error in one command's place: 1 if the server refused it, 0 if trouble."""
+        if isinstance(error, _TROUBLE):
+            if client is not None:
+                self._link.trouble(client, error)
+            return 0
+        logger.warning("redis tier: error reply: %s", error)
+        return 1
+
+    def _forget_deleting(self, keys: list[bytes]) -> None:
+        with self._deleting_lock:
+            for key in keys:
+                left = self._deleting.get(key, 0) - 1
+                if left > 0:
+                    self._deleting[key] = left
+                else:
+                    self._deleting.pop(key, None)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _client_name(context: BackendContext) -> str:
+    """The name the connections give themselves (CLIENT LIST shows it): no spaces allowed."""
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", f"tiercache-{context.tier_name}-rank{context.rank}")
+
+
+def _batches(items: list[Any], size: int) -> Iterable[list[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _missing(keys: list[bytes], ok: list[bytes]) -> list[bytes]:
+    """``keys`` that are not in ``ok``, in order (a key may appear more than once)."""
+    if len(ok) == len(keys):
+        return []
+    done = set(ok)
+    return [k for k in keys if k not in done]
+
+
+def _in_order(job: _Job, failed: list[bytes]) -> list[bytes]:
+    """The job's failed keys, those refused at intake included, in submission order."""
+    if not job.refused:
+        return failed
+    refused, gone = set(job.refused), set(failed)  # refused keys need not even be hashable
+    return [key for i, key in enumerate(job.submitted) if i in refused or key in gone]
+
+
+def _as_bytes(key: Any) -> Any:
+    """A key as ``bytes`` (from any bytes-like object); anything else as it is, to be refused."""
+    return bytes(key) if isinstance(key, (bytes, bytearray, memoryview)) else key
+
+
+def _byte_view(view: Any, writable: bool) -> memoryview | None:
+    """``view`` as a flat unsigned-byte memoryview over the same memory; None if unusable."""
+    try:
+        mv = memoryview(view)
+        if not mv.c_contiguous or (writable and mv.readonly):
+            return None
+        return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+    except (TypeError, ValueError, BufferError):
+        return None
