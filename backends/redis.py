@@ -618,6 +618,7 @@ class RedisBackend(Backend):
 
     name = "redis"
     settings_model = RedisSettings
+    shared = True  # other engines write it too: looked up asynchronously, not owned
 
     @classmethod
     def footprint(cls, chunk_bytes: int) -> int:
