@@ -100,7 +100,7 @@ def test_config_is_frozen() -> None:
 
 def test_shipped_configs_are_valid() -> None:
     root = pathlib.Path(__file__).resolve().parents[2] / "configs"
-    files = sorted(root.glob("*.yaml"))
+    files = sorted(p for p in root.glob("*.yaml") if p.name != "server.yaml")  # the server's own schema
     assert files
     for path in files:
         load_config(path).check_engine(32)
