@@ -92,13 +92,24 @@ def _importable_here() -> None:
     importlib.invalidate_caches()
 
 
+def _forget_other_copies() -> None:
+    """Drop a copy of the plugin this interpreter found at start-up in another checkout."""
+    for name in [m for m in sys.modules if m == PLUGIN_MODULE or m.startswith(PLUGIN_MODULE + ".")]:
+        del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if "tiercache-example-plugin" not in p or _is_ours(pathlib.Path(p) / "x")]
+    # setuptools' editable installs map the package with a finder on sys.meta_path.
+    sys.meta_path[:] = [f for f in sys.meta_path if PLUGIN_MODULE not in getattr(f, "__module__", "")]
+    importlib.invalidate_caches()
+
+
 @pytest.fixture(scope="module")
 def plugin_class() -> type[Backend]:
     """The example plugin's class as the registry resolves it, installing it first if needed."""
     if not _is_ours(_resolved_file_in_fresh_interpreter()):
-        _install()
+        _install()  # absent, or an install from another checkout of this repo
         found = _resolved_file_in_fresh_interpreter()
         assert _is_ours(found), f"installed, but {PLUGIN_NAME!r} resolves to {found}"
+        _forget_other_copies()
     _importable_here()
     cls = backend_class(PLUGIN_NAME)
     assert _is_ours(pathlib.Path(sys.modules[cls.__module__].__file__ or ""))
