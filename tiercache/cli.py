@@ -1,4 +1,4 @@
-"""The ``tiercache`` command: demo, config check, version.
+"""The ``tiercache`` command: demo, config check, serve, inspect, bench server.
 
 Each subcommand lives in its own module and registers itself here with an
 ``add_parser(subparsers)`` function; ``tiercache <cmd> --help`` explains each.
@@ -16,6 +16,11 @@ EPILOG = """\
 examples:
   tiercache demo                          vLLM + tiercache, cold vs warm time-to-first-token
   tiercache config check configs/cpu.yaml validate a config file and show what it means
+  tiercache serve --config configs/server.yaml
+                                          run the shared cache server (engines use backend: server)
+  tiercache inspect --server 127.0.0.1:7470
+                                          capacity, usage per tier, hit rates, clients
+  tiercache bench server --server 127.0.0.1:7470 --clients 16 --seconds 10
   TIERCACHE_CHUNK_TOKENS=512 tiercache config check configs/cpu.yaml
                                           ... with an environment override applied
 
@@ -28,6 +33,7 @@ Enable tiercache in vLLM with:
 
 def build_parser() -> argparse.ArgumentParser:
     from tiercache import config_cli, demo
+    from tiercache.server import bench_cli, inspect_cli, serve_cli
 
     parser = argparse.ArgumentParser(
         prog="tiercache",
@@ -39,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo.add_parser(sub)
     config_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
+    inspect_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     return parser
 
 

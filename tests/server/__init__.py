@@ -1,0 +1,1 @@
+"""Tests of the standalone cache server (tiercache/server) and its client tier."""

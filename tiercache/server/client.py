@@ -1,0 +1,229 @@
+"""A blocking client connection to the cache server: one socket, one request at a time.
+
+Used by the client tier (:mod:`tiercache.backends.server`, one connection per
+I/O thread), by ``tiercache inspect`` and ``tiercache bench server``, and by
+the tests. Each call sends one request and reads its reply. PUT values are
+sent straight from the caller's buffers (``sendmsg``, no concatenation) and
+GET values are received straight into the caller's views; a view a failed
+request may have written into is zeroed before the error propagates.
+
+Errors: ``OSError`` (the network, timeouts), :class:`~tiercache.server.protocol.ProtocolError`
+(a reply this side cannot trust) and :class:`~tiercache.server.protocol.RemoteError`
+(the server refused the request) all leave the connection closed; call
+:meth:`ServerClient.connect` again. Not thread-safe: one thread at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import select
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from tiercache.server import protocol as p
+from tiercache.server.wire import SyncStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+R = TypeVar("R", bound=p._Body)
+_Buffer = bytes | bytearray | memoryview
+
+_PROGRESS_EVERY_S = 0.001
+#: What a client accepts in replies (the server's own limits are in Welcome).
+CLIENT_LIMITS = p.Limits(
+    max_body_bytes=64 << 20, max_payload_bytes=1 << 40, max_keys=p.MAX_KEYS_CAP,
+    max_key_bytes=p.MAX_KEY_BYTES_CAP, max_value_bytes=1 << 40,
+)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` -> (host, port); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"server address must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class ServerClient:
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        client_name: str = "",
+        timeout_s: float = 10.0,
+        connect_timeout_s: float = 5.0,
+        nixl_metadata: bytes = b"",
+        nixl_agent: str = "",
+        nixl_progress: Callable[[], None] | None = None,
+    ) -> None:
+        self.address = parse_address(address)
+        self.token = token or ""
+        self.client_name = client_name
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.nixl_metadata = nixl_metadata
+        self.nixl_agent = nixl_agent
+        # Called in a loop while a NIXL request waits for its reply (the agent has no thread).
+        self.nixl_progress = nixl_progress
+        self.welcome: p.Welcome | None = None
+        self._stream: SyncStream | None = None
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ connection
+    @property
+    def connected(self) -> bool:
+        return self._stream is not None
+
+    def connect(self) -> p.Welcome:
+        self.close()
+        sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self.timeout_s)
+        self._stream = SyncStream(sock)
+        hello = p.Hello(
+            token=self.token, client=self.client_name[: p.MAX_TEXT],
+            nixl_agent=self.nixl_agent, nixl_metadata=self.nixl_metadata,
+        )
+        self.welcome = self._call(p.MsgType.HELLO, hello, p.Welcome)
+        return self.welcome
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def __enter__(self) -> Self:
+        if not self.connected:
+            self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ requests
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._call(p.MsgType.EXISTS, p.Exists(list(keys)), p.ExistsReply).present
+
+    def put(self, keys: Sequence[bytes], values: Sequence[_Buffer], overwrite: bool = True) -> list[p.Status]:
+        """Store ``values[i]`` under ``keys[i]``; a status per key."""
+        views = [v if isinstance(v, memoryview) else memoryview(v) for v in values]
+        views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+        body = p.Put(list(keys), [len(v) for v in views], overwrite)
+        reply = self._call(p.MsgType.PUT, body, p.PutReply, payload=views)
+        return _statuses(reply.status, len(keys))
+
+    def put_remote(
+        self, keys: Sequence[bytes], sizes: Sequence[int], addrs: Sequence[int], overwrite: bool = True
+    ) -> list[p.Status]:
+        body = p.PutRemote(list(keys), list(sizes), list(addrs), overwrite)
+        return _statuses(self._call(p.MsgType.PUT_REMOTE, body, p.PutReply, spin=True).status, len(keys))
+
+    def get(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> tuple[list[p.Status], list[int]]:
+        """Read each key into ``views[i]`` (its first ``sizes[i]`` bytes); statuses and sizes."""
+        body = p.Get(list(keys), [len(v) for v in views])
+        written: list[memoryview] = []
+        try:
+            stream = self._begin(p.MsgType.GET, body)
+            reply = self._finish(p.MsgType.GET, stream, p.GetReply, payload_ok=True)
+            statuses = _statuses(reply.status, len(keys))
+            if len(reply.sizes) != len(keys):
+                raise p.MalformedBody("GET reply sizes do not match the keys")
+            expected = sum(size for status, size in zip(statuses, reply.sizes) if status is p.Status.OK)
+            if expected != self._payload_len:
+                raise p.MalformedBody(f"GET reply carries {self._payload_len} bytes, sizes say {expected}")
+            targets = []
+            for view, status, size in zip(views, statuses, reply.sizes):
+                if status is p.Status.OK:
+                    if size > len(view):
+                        raise p.MalformedBody(f"a value of {size} bytes for a view of {len(view)}")
+                    written.append(view)
+                    targets.append(view[:size])
+            stream.read_into_many(targets)  # straight into the caller's views, scattered
+            return statuses, list(reply.sizes)
+        except BaseException:
+            for view in written:
+                view[:] = bytes(len(view))
+            self.close()
+            raise
+
+    def get_remote(
+        self, keys: Sequence[bytes], capacities: Sequence[int], addrs: Sequence[int]
+    ) -> tuple[list[p.Status], list[int]]:
+        body = p.GetRemote(list(keys), list(capacities), list(addrs))
+        reply = self._call(p.MsgType.GET_REMOTE, body, p.GetReply, spin=True)
+        return _statuses(reply.status, len(keys)), list(reply.sizes)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self._call(p.MsgType.DELETE, p.Delete(list(keys)), p.DeleteReply).deleted
+
+    def stats(self) -> p.StatsReply:
+        return self._call(p.MsgType.STATS, p.Stats(), p.StatsReply)
+
+    def health(self) -> p.HealthReply:
+        return self._call(p.MsgType.HEALTH, p.Health(), p.HealthReply)
+
+    def agent_meta(self, metadata: bytes) -> None:
+        self._call(p.MsgType.AGENT_META, p.AgentMeta(metadata), p.Ack)
+
+    # ------------------------------------------------------------------ framing
+    def _call(self, msg_type: p.MsgType, body: p._Body, reply_cls: type[R],
+              payload: Sequence[memoryview] = (), spin: bool = False) -> R:
+        try:
+            stream = self._begin(msg_type, body, payload)
+            if spin and self.nixl_progress is not None:
+                self._progress_until_readable(stream)
+            reply = self._finish(msg_type, stream, reply_cls, payload_ok=False)
+        except BaseException:
+            self.close()
+            raise
+        return reply
+
+    def _progress_until_readable(self, stream: SyncStream) -> None:
+        """Drive the NIXL agent until the reply starts arriving (bounded by the timeout)."""
+        assert self.nixl_progress is not None
+        deadline = time.monotonic() + self.timeout_s
+        sock = stream.sock
+        while not stream.inbox.pending:
+            self.nixl_progress()
+            # Sleep in select (GIL released, no spinning against the server's transfer on a busy
+            # host): the reply wakes it at once; the agent needs only occasional progress.
+            if select.select([sock], [], [], _PROGRESS_EVERY_S)[0]:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no reply within {self.timeout_s}s")
+
+    def _begin(self, msg_type: p.MsgType, body: p._Body, payload: Sequence[memoryview] = ()) -> SyncStream:
+        if self._stream is None:
+            raise ConnectionError("not connected")
+        self._request_id = next(self._ids) & 0xFFFFFFFF
+        size = sum(len(v) for v in payload)
+        self._stream.send([p.frame(msg_type, self._request_id, body, size), *payload])
+        return self._stream
+
+    def _finish(self, msg_type: p.MsgType, stream: SyncStream, reply_cls: type[R], payload_ok: bool) -> R:
+        header = p.unpack_header(stream.read(p.HEADER_BYTES), CLIENT_LIMITS, replies=True)
+        connection_error = header.type == p.MsgType.ERROR and header.request_id == 0
+        if header.request_id != self._request_id and not connection_error:
+            raise p.ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
+        body_bytes = stream.read(header.body_len)
+        if header.type == p.MsgType.ERROR:
+            error = p.decode_body(p.ErrorReply, body_bytes)
+            raise p.RemoteError(error.code, error.message)
+        if header.type != p.reply_type(msg_type):
+            raise p.UnknownMessageType(f"reply type {header.type:#x} to a {msg_type.name}")
+        if header.payload_len and not payload_ok:
+            raise p.UnexpectedPayload("unexpected payload in a reply")
+        self._payload_len = header.payload_len
+        return p.decode_body(reply_cls, body_bytes)
+
+
+def _statuses(raw: list[int], n: int) -> list[p.Status]:
+    if len(raw) != n:
+        raise p.MalformedBody(f"{len(raw)} statuses for {n} keys")
+    try:
+        return [p.Status(s) for s in raw]
+    except ValueError as exc:
+        raise p.MalformedBody(str(exc)) from None

@@ -1,0 +1,297 @@
+"""One client connection on the server: HELLO, then requests served one at a time, in order.
+
+Each connection is one asyncio task on the server's event loop. It reads a
+frame header, bounds-checks it (:func:`~tiercache.server.protocol.unpack_header`
+against the server's limits), reads and decodes the body, applies the
+configured limits, serves the request against the shared
+:class:`~tiercache.server.store.ChunkStore`, and writes the reply before it
+reads the next header. Anything refused (bad magic, version, type, flags, an
+oversized or malformed message, a wrong token, a request before HELLO) is
+answered with one ERROR frame naming the reason and the connection is closed:
+its framing can no longer be trusted. Other connections never notice: nothing
+a connection reads is shared, and the store is only changed through its
+two-phase put/get calls, whose failure paths undo what they reserved.
+
+A PUT's values are received straight into the host slots the store reserved
+(STORING); a disconnect or a cancellation before the last byte frees them
+(``end_put(ok=False)``). A GET's values are sent straight from pinned slots.
+With NIXL, PUT_REMOTE/GET_REMOTE move the values with one transfer per
+request and only the reply travels on the socket.
+
+Threading: event loop thread only. Buffers: the connection's inbox is its own;
+slot views are used only between the store's begin and end calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tiercache.server import protocol as p
+from tiercache.server.auth import check_token
+from tiercache.server.wire import AsyncStream
+
+if TYPE_CHECKING:
+    from tiercache.server.service import CacheServer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConnectionStats:
+    session: int
+    peer: str
+    client: str = ""
+    data_path: str = "tcp"
+    started: float = field(default_factory=time.monotonic)
+    requests: int = 0
+    put_keys: int = 0
+    get_keys: int = 0
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+
+    def as_struct(self, bytes_in: int, bytes_out: int) -> p.ClientStats:
+        return p.ClientStats(
+            session=self.session, client=self.client, peer=self.peer, data_path=self.data_path,
+            connected_s=round(time.monotonic() - self.started, 3), requests=self.requests,
+            put_keys=self.put_keys, get_keys=self.get_keys, hits=self.hits, misses=self.misses,
+            bytes_in=bytes_in, bytes_out=bytes_out, errors=self.errors,
+        )
+
+
+class Connection:
+    def __init__(self, server: CacheServer, sock: socket.socket, peer: str, session: int) -> None:
+        self.server = server
+        self.store = server.store
+        self.limits = server.limits
+        self.stream = AsyncStream(sock, asyncio.get_running_loop())
+        self.stats = ConnectionStats(session, peer)
+        self.busy = False  # between reading a request's header and writing its reply
+        self.task: asyncio.Task[None] | None = None
+        self._nixl_peer: str | None = None
+        self._request_id = 0
+        self._handlers: dict[p.MsgType, Callable[[p.Header, Any], Any]] = {
+            p.MsgType.EXISTS: self._exists,
+            p.MsgType.PUT: self._put,
+            p.MsgType.GET: self._get,
+            p.MsgType.DELETE: self._delete,
+            p.MsgType.STATS: self._stats,
+            p.MsgType.HEALTH: self._health,
+            p.MsgType.PUT_REMOTE: self._put_remote,
+            p.MsgType.GET_REMOTE: self._get_remote,
+            p.MsgType.AGENT_META: self._agent_meta,
+        }
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        try:
+            await asyncio.wait_for(self._hello(), self.server.config.hello_timeout_s)
+            while not self.server.draining:
+                idle = self.server.config.idle_timeout_s
+                if idle is None:
+                    await self.stream.wait_readable()
+                else:
+                    await asyncio.wait_for(self.stream.wait_readable(), idle)
+                self.busy = True
+                header, body = await self._read_request(hello=False)
+                started = time.perf_counter()
+                await self._handlers[p.MsgType(header.type)](header, body)
+                name = p.MsgType(header.type).name.lower()
+                self.server.metrics.requests.labels(name).inc()
+                self.server.metrics.request_seconds.labels(name).observe(time.perf_counter() - started)
+                self.stats.requests += 1
+                self.busy = False
+        except p.Truncated:
+            if self.busy:  # the stream ended inside a frame
+                self.server.metrics.refused.labels(p.Truncated.code).inc()
+        except p.ProtocolError as exc:
+            await self._refuse(exc)
+        except asyncio.TimeoutError:
+            await self._refuse(p.ProtocolError("timed out"), code="timeout")
+        except (ConnectionError, OSError) as exc:
+            logger.debug("connection %s: %s", self.stats.peer, exc)
+        except asyncio.CancelledError:
+            pass  # drain: an idle connection, or one that did not finish in time
+        except Exception:
+            logger.exception("connection %s: request failed", self.stats.peer)
+            await self._refuse(p.ProtocolError("internal error"), code="internal")
+        finally:
+            self._close()
+
+    async def _read_request(self, hello: bool) -> tuple[p.Header, Any]:
+        self._request_id = 0  # until this request's header is known good
+        header = p.unpack_header(await self.stream.read(p.HEADER_BYTES), self.limits, replies=False)
+        self._request_id = header.request_id
+        if hello != (header.type == p.MsgType.HELLO):
+            if hello:
+                raise p.HelloRequired("the first message must be HELLO")
+            raise p.UnknownMessageType("HELLO was already accepted")
+        body = p.decode_body(p.body_type(header), await self.stream.read(header.body_len))
+        p.check_request(body, header, self.limits)
+        return header, body
+
+    async def _hello(self) -> None:
+        header, hello = await self._read_request(hello=True)
+        check_token(self.server.config.token, hello)
+        self.stats.client = hello.client
+        nixl = self.server.nixl
+        if hello.nixl_metadata and nixl is not None:
+            try:
+                self._nixl_peer = nixl.add_peer(hello.nixl_metadata)
+                self.stats.data_path = "nixl"
+            except Exception:
+                logger.warning("client %s: cannot load its NIXL metadata; TCP only", hello.client, exc_info=True)
+        welcome = p.Welcome(
+            server=self.server.config.name, session=self.stats.session,
+            max_body_bytes=self.limits.max_body_bytes, max_payload_bytes=self.limits.max_payload_bytes,
+            max_keys=self.limits.max_keys, max_key_bytes=self.limits.max_key_bytes,
+            max_value_bytes=self.limits.max_value_bytes, nixl=self._nixl_peer is not None,
+        )
+        await self._reply(p.MsgType.HELLO, header.request_id, welcome)
+
+    async def _reply(self, msg_type: p.MsgType, request_id: int, body: p._Body, payload: list[memoryview] | None = None) -> None:
+        size = sum(len(v) for v in payload) if payload else 0
+        await self.stream.send([p.frame(p.reply_type(msg_type), request_id, body, size), *(payload or ())])
+
+    async def _refuse(self, exc: p.ProtocolError, code: str | None = None) -> None:
+        """Answer with one ERROR frame (echoing the request's id when its header was readable)."""
+        code = code or exc.code
+        self.stats.errors += 1
+        self.server.metrics.refused.labels(code).inc()
+        logger.info("connection %s refused: %s: %s", self.stats.peer, code, exc)
+        data = p.frame(p.MsgType.ERROR, self._request_id, p.ErrorReply(code=code, message=str(exc)[:4000]))
+        try:
+            await asyncio.wait_for(self.stream.send([data]), 1.0)
+        except (asyncio.TimeoutError, OSError, asyncio.CancelledError):
+            pass
+
+    def _close(self) -> None:
+        if self._nixl_peer is not None and self.server.nixl is not None:
+            self.server.nixl.drop_peer(self._nixl_peer)
+            self._nixl_peer = None
+        self.stream.close()
+        self.server.forget(self)
+
+    def _count_keys(self, op: str, statuses: list[p.Status]) -> None:
+        counter = self.server.metrics.keys
+        for status in set(statuses):
+            counter.labels(op, status.name.lower()).inc(statuses.count(status))
+
+    # ------------------------------------------------------------------ handlers
+    async def _exists(self, header: p.Header, body: p.Exists) -> None:
+        await self._reply(p.MsgType.EXISTS, header.request_id, p.ExistsReply(self.store.exists(body.keys)))
+
+    async def _put(self, header: p.Header, body: p.Put) -> None:
+        ticket = self.store.begin_put(body.keys, body.sizes, body.overwrite)
+        slab = self.store.slab
+        ok = False
+        try:
+            run: list[memoryview] = []  # consecutive accepted values: one scattered receive
+            for slot, size in zip(ticket.slots, ticket.sizes):
+                if slot >= 0:
+                    run.append(slab.value(slot, size))
+                    continue
+                if run:
+                    await self.stream.read_into_many(run)
+                    run = []
+                await self.stream.skip(size)
+            if run:
+                await self.stream.read_into_many(run)
+            ok = True
+        finally:  # a disconnect (or a drain cancel) mid-put: the reserved slots go back
+            self.store.end_put(ticket, ok)
+        self._finish_put(ticket.status, sum(s for s, st in zip(ticket.sizes, ticket.status) if st is p.Status.OK), "tcp")
+        await self._reply(p.MsgType.PUT, header.request_id, p.PutReply([int(s) for s in ticket.status]))
+
+    async def _put_remote(self, header: p.Header, body: p.PutRemote) -> None:
+        nixl, peer = self.server.nixl, self._nixl_peer
+        if nixl is None or peer is None:
+            raise p.UnknownMessageType("PUT_REMOTE needs the NIXL data path (none was set up)")
+        ticket = self.store.begin_put(body.keys, body.sizes, body.overwrite)
+        slab = self.store.slab
+        local, remote = [], []
+        for slot, size, addr in zip(ticket.slots, ticket.sizes, body.addrs):
+            if slot >= 0:
+                local.append((slab.value_address(slot), size))
+                remote.append((addr, size))
+        ok = False
+        try:
+            ok = await nixl.transfer("READ", local, remote, peer)
+        finally:
+            self.store.end_put(ticket, ok)
+        self._finish_put(ticket.status, sum(n for _, n in local) if ok else 0, "nixl")
+        await self._reply(p.MsgType.PUT_REMOTE, header.request_id, p.PutReply([int(s) for s in ticket.status]))
+
+    def _finish_put(self, statuses: list[p.Status], nbytes: int, path: str) -> None:
+        self.stats.put_keys += len(statuses)
+        self._count_keys("put", statuses)
+        self.server.metrics.bytes.labels("in", path).inc(nbytes)
+
+    async def _get(self, header: p.Header, body: p.Get) -> None:
+        ticket = await self.store.begin_get(body.keys, body.capacities, self.limits.max_payload_bytes)
+        try:
+            slab = self.store.slab
+            payload = [slab.value(slot, size) for slot, size in zip(ticket.slots, ticket.sizes) if slot >= 0]
+            reply = p.GetReply([int(s) for s in ticket.status], ticket.sizes)
+            await self._reply(p.MsgType.GET, header.request_id, reply, payload)
+        finally:
+            self.store.end_get(ticket)
+        self._finish_get(ticket.status, sum(ticket.sizes), "tcp")
+
+    async def _get_remote(self, header: p.Header, body: p.GetRemote) -> None:
+        nixl, peer = self.server.nixl, self._nixl_peer
+        if nixl is None or peer is None:
+            raise p.UnknownMessageType("GET_REMOTE needs the NIXL data path (none was set up)")
+        ticket = await self.store.begin_get(body.keys, body.capacities, 1 << 62)
+        try:
+            slab = self.store.slab
+            local, remote = [], []
+            for slot, size, addr in zip(ticket.slots, ticket.sizes, body.addrs):
+                if slot >= 0:
+                    local.append((slab.value_address(slot), size))
+                    remote.append((addr, size))
+            if not await nixl.transfer("WRITE", local, remote, peer):
+                for i, slot in enumerate(ticket.slots):
+                    if slot >= 0:
+                        ticket.status[i], ticket.sizes[i] = p.Status.FAILED, 0
+        finally:
+            self.store.end_get(ticket)
+        self._finish_get(ticket.status, sum(ticket.sizes), "nixl")
+        reply = p.GetReply([int(s) for s in ticket.status], ticket.sizes)
+        await self._reply(p.MsgType.GET_REMOTE, header.request_id, reply)
+
+    def _finish_get(self, statuses: list[p.Status], nbytes: int, path: str) -> None:
+        hits = statuses.count(p.Status.OK)
+        self.stats.get_keys += len(statuses)
+        self.stats.hits += hits
+        self.stats.misses += len(statuses) - hits
+        self._count_keys("get", statuses)
+        self.server.metrics.bytes.labels("out", path).inc(nbytes)
+
+    async def _delete(self, header: p.Header, body: p.Delete) -> None:
+        await self._reply(p.MsgType.DELETE, header.request_id, p.DeleteReply(self.store.delete(body.keys)))
+
+    async def _stats(self, header: p.Header, body: p.Stats) -> None:
+        await self._reply(p.MsgType.STATS, header.request_id, self.server.stats_reply())
+
+    async def _health(self, header: p.Header, body: p.Health) -> None:
+        reply = p.HealthReply(
+            status="draining" if self.server.draining else "ok",
+            uptime_s=round(self.server.uptime_s, 3), connections=len(self.server.connections),
+        )
+        await self._reply(p.MsgType.HEALTH, header.request_id, reply)
+
+    async def _agent_meta(self, header: p.Header, body: p.AgentMeta) -> None:
+        if self.server.nixl is None or self._nixl_peer is None:
+            raise p.UnknownMessageType("AGENT_META needs the NIXL data path (none was set up)")
+        try:
+            self.server.nixl.update_peer(body.metadata)
+        except Exception as exc:  # noqa: BLE001 - NIXL's own error types: refused, typed
+            raise p.MalformedBody(f"NIXL metadata refused: {exc}") from None
+        await self._reply(p.MsgType.AGENT_META, header.request_id, p.Ack())

@@ -1,0 +1,117 @@
+"""``tiercache inspect --server HOST:PORT [--token T]``: what a running cache server holds.
+
+Prints the server's capacity and usage per tier, hit rates (overall and the
+share served from lower tiers) and the connected clients with their own
+counters; ``--json`` prints the raw STATS reply instead. Exit status 1 when
+the server cannot be reached or refuses (wrong token). Also runnable as
+``python -m tiercache.server.inspect_cli --server HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from tiercache.sizes import format_size
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def as_plain(obj: Any) -> Any:
+    """A reply as JSON-ready dicts and lists (bodies travel as arrays; JSON gets names)."""
+    if isinstance(obj, msgspec.Struct):
+        return {name: as_plain(getattr(obj, name)) for name in obj.__struct_fields__}
+    if isinstance(obj, list):
+        return [as_plain(x) for x in obj]
+    return obj
+
+
+def render(stats: Any, address: str) -> str:
+    """The human report of a StatsReply."""
+    lines = [
+        f"server {stats.server} (tiercache {stats.version}) at {address}, up {stats.uptime_s:.1f} s"
+        + (", DRAINING" if stats.draining else ""),
+        (f"host memory: {format_size(stats.used_bytes)} used of {format_size(stats.capacity_bytes)} "
+         f"({_pct(stats.used_bytes, stats.capacity_bytes)}); values up to {format_size(stats.max_value_bytes)}"),
+        (f"gets: {stats.get_keys} keys, hit rate {_pct(stats.hits, stats.get_keys)}; "
+         f"puts: {stats.put_keys} keys, {stats.stored} stored; refused messages: {stats.refused_messages}"),
+        "tiers:",
+    ]
+    rows = [["tier", "backend", "capacity", "used", "use%", "chunks", "hits", "hit share", "stored", "evictions"]]
+    for t in stats.tiers:
+        rows.append([
+            t.name, t.backend, format_size(t.capacity_bytes), format_size(t.used_bytes),
+            _pct(t.used_bytes, t.capacity_bytes), str(t.chunks), str(t.hit_chunks),
+            _pct(t.hit_chunks, stats.get_keys), str(t.stored_chunks), str(t.evictions),
+        ])
+    lines.append(_table(rows))
+    lines.append(f"clients: {len(stats.clients)} connected")
+    if stats.clients:
+        rows = [["session", "client", "peer", "path", "connected", "requests", "puts", "gets", "hit rate",
+                 "in", "out", "errors"]]
+        for c in stats.clients:
+            rows.append([
+                str(c.session), c.client or "-", c.peer, c.data_path, f"{c.connected_s:.0f}s",
+                str(c.requests), str(c.put_keys), str(c.get_keys), _pct(c.hits, c.get_keys),
+                format_size(c.bytes_in), format_size(c.bytes_out), str(c.errors),
+            ])
+        lines.append(_table(rows))
+    return "\n".join(lines)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from tiercache.server.client import ServerClient
+    from tiercache.server.protocol import ProtocolError, RemoteError
+
+    token = args.token if args.token is not None else os.environ.get("TIERCACHE_SERVER_TOKEN")
+    try:
+        with ServerClient(args.server, token=token, client_name="tiercache-inspect", timeout_s=args.timeout) as c:
+            stats = c.stats()
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except (OSError, ProtocolError, RemoteError) as exc:
+        print(f"cannot inspect {args.server}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(as_plain(stats), indent=2))
+    else:
+        print(render(stats, args.server))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    s = sub.add_parser(
+        "inspect",
+        help="show a cache server's capacity, usage per tier, hit rates and clients",
+        description="Ask a running tiercache server (tiercache serve) for its statistics.",
+    )
+    s.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's address")
+    s.add_argument("--token", help="the server's auth token (default: $TIERCACHE_SERVER_TOKEN)")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    s.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
+    s.set_defaults(func=run_inspect)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tiercache")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["inspect", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""The server's chunk store: one OffloadingManager over the host slab and the lower tiers.
+
+This is the engine's pipeline minus the GPU: the same
+:class:`~tiercache.manager.OffloadingManager` decides which slot a put takes,
+what it evicts, where a get reads from and what is copied down; the same
+backends (disk, LMDB, plugins) hold the lower tiers. Keys are the clients'
+opaque bytes (they start with the client's namespace digest).
+
+A put is two-phase: :meth:`ChunkStore.begin_put` reserves host slots (the
+keys are STORING: invisible to exists/get), the connection receives the
+values straight into them, and :meth:`ChunkStore.end_put` makes them READY
+only if every byte arrived; on any failure (the client vanished mid-put, a
+NIXL read failed) the slots are freed and nothing of the put remains. A get
+pins its keys' slots (a lower-tier hit is first read into a host staging
+slot), the connection sends from the slots, and :meth:`ChunkStore.end_get`
+unpins them.
+
+The *pump* (:meth:`run_pump`, one task) moves bytes between the host slab and
+the lower tiers: queued deletes, write-through/write-back demotions, and the
+polling of every backend job (demotions and staged reads).
+
+Threading: everything here runs on the event loop thread; the manager is
+never locked. Lower-tier backends run their own I/O threads on the slot views
+they are given, and drop them when they report the job (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tiercache.backend import Backend, BackendContext
+from tiercache.config import ConfigError
+from tiercache.directory import TierSpec
+from tiercache.manager import OffloadingManager
+from tiercache.plugins import backend_class, create_backend
+from tiercache.server.config import ServerConfig
+from tiercache.server.protocol import Status, TierStats
+from tiercache.server.slab import Slab, slot_bytes_for
+
+logger = logging.getLogger(__name__)
+
+#: Namespace of the server's own lower tiers (the clients' namespaces are inside the keys).
+SERVER_NAMESPACE = b"tcserver"
+_IDLE_PUMP_S = 0.05
+_BUSY_PUMP_S = 0.0005
+
+
+@dataclass
+class PutTicket:
+    """A put between :meth:`ChunkStore.begin_put` and :meth:`ChunkStore.end_put`."""
+
+    keys: list[bytes]
+    sizes: list[int]
+    status: list[Status]
+    slots: list[int]  # host slot of each accepted key (OK), -1 otherwise
+    stored: list[bytes] = field(default_factory=list)  # keys holding a STORING slot
+
+
+@dataclass
+class GetTicket:
+    """A get between :meth:`ChunkStore.begin_get` and :meth:`ChunkStore.end_get`."""
+
+    keys: list[bytes]
+    status: list[Status]
+    slots: list[int]
+    sizes: list[int]
+    pinned: list[bytes]  # unique keys pinned by prepare_load
+    staged: list[bytes] = field(default_factory=list)  # keys this get reads from a lower tier
+    host_hits: int = 0
+    lower_hits: int = 0
+
+
+@dataclass
+class _TierJob:
+    kind: str  # "demote" or "stage"
+    tier: str
+    keys: tuple[bytes, ...]
+    future: asyncio.Future[set[bytes]] | None = None  # stage: resolves to the failed keys
+
+
+class ChunkStore:
+    def __init__(self, config: ServerConfig) -> None:
+        host = config.tiers[0]
+        slot_bytes = slot_bytes_for(config.max_value_bytes)
+        num_slots = host.capacity // slot_bytes
+        if num_slots < 1:
+            raise ConfigError(
+                f"tiers.0.capacity: {host.capacity} bytes holds no slot of {slot_bytes} bytes "
+                f"(max_value_bytes {config.max_value_bytes} + trailer)"
+            )
+        self.config = config
+        self.when_full = config.when_full
+        specs = [TierSpec(host.name, num_slots, host.policy)]
+        classes: dict[str, type[Backend]] = {}
+        for index, tier in enumerate(config.tiers[1:], start=1):
+            cls = backend_class(tier.backend)
+            if getattr(cls, "shared", False):
+                raise ConfigError(f"tiers.{index}.backend: {tier.backend!r} is a shared tier, not a medium")
+            slots = tier.capacity // cls.footprint(slot_bytes)
+            if slots < 1:
+                raise ConfigError(f"tiers.{index}.capacity: {tier.capacity} bytes holds no chunk")
+            classes[tier.name] = cls
+            specs.append(TierSpec(tier.name, slots, tier.policy, tier.mode))
+        self.manager = OffloadingManager(specs)
+        self.backends: dict[str, Backend] = {}
+        self._footprints = {name: cls.footprint(slot_bytes) for name, cls in classes.items()}
+        for index, tier in enumerate(config.tiers[1:], start=1):
+            context = BackendContext(tier.name, SERVER_NAMESPACE, slot_bytes, tier.capacity)
+            self.backends[tier.name] = create_backend(tier, context, index)
+        self.slab = Slab(num_slots, config.max_value_bytes)  # after the config is known good
+        self._tier_backend = {t.name: t.backend for t in config.tiers}
+        self._capacity = {t.name: t.capacity for t in config.tiers}
+        self._jobs: dict[int, _TierJob] = {}
+        self._job_ids = itertools.count(1)
+        # key -> resolved when the get that is staging it from a lower tier has ended (the
+        # chunk is then READY in the host tier, or gone); other gets of the key wait for it
+        self._staging: dict[bytes, asyncio.Future[None]] = {}
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+        self.counters = dict.fromkeys(
+            ("put_keys", "stored", "get_keys", "hits", "misses", "lower_hits", "tier_failures",
+             "deleted"), 0,
+        )
+        self._recover()
+
+    # ------------------------------------------------------------------ start-up
+    def _recover(self) -> None:
+        """Adopt what persistent lower tiers still hold (a warm restart)."""
+        for name, backend in self.backends.items():
+            keys = list(backend.recover())
+            over = self.manager.adopt(name, keys)
+            if over:
+                backend.delete(over)
+            if keys:
+                logger.info("server tier %s: %d chunks recovered (%d over budget)", name, len(keys), len(over))
+
+    @property
+    def host(self):  # type: ignore[no-untyped-def]
+        return self.manager.host
+
+    # ------------------------------------------------------------------ lookups
+    def _held(self, key: bytes) -> bool:
+        if key in self.host.ready:
+            return True
+        if key in self.host.storing:
+            return False
+        return any(key in t.ready for t in self.manager.lower)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self._held(k) for k in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        dropped = self.manager.discard(list(dict.fromkeys(keys)))
+        self.counters["deleted"] += dropped
+        self.wake()
+        return dropped
+
+    # ------------------------------------------------------------------ puts
+    def begin_put(self, keys: Sequence[bytes], sizes: Sequence[int], overwrite: bool) -> PutTicket:
+        n = len(keys)
+        status = [Status.OK] * n
+        slots = [-1] * n
+        seen: set[bytes] = set()
+        candidates: list[int] = []
+        replace: list[bytes] = []
+        host = self.host
+        for i, (key, size) in enumerate(zip(keys, sizes)):
+            if not 0 < size <= self.slab.max_value_bytes:
+                status[i] = Status.BAD_SIZE
+            elif key in seen or key in host.storing or any(key in t.storing for t in self.manager.lower):
+                status[i] = Status.BUSY  # written by another request (or copied down) right now
+            elif self._held(key):
+                if overwrite:
+                    replace.append(key)
+                    candidates.append(i)
+                else:
+                    status[i] = Status.PRESENT
+            else:
+                candidates.append(i)
+            seen.add(key)
+        if replace:
+            self.manager.discard(replace)
+        if self.when_full == "refuse" and len(candidates) > len(host.free_slots):
+            for i in candidates[len(host.free_slots):]:
+                status[i] = Status.FULL
+            candidates = candidates[: len(host.free_slots)]
+        plan = self.manager.prepare_store([keys[i] for i in candidates]) if candidates else None
+        placed = dict(zip(plan.keys, plan.slots)) if plan is not None else {}
+        stored: list[bytes] = []
+        for i in candidates:
+            slot = placed.get(keys[i])
+            if slot is None:
+                status[i] = Status.FULL
+            else:
+                slots[i] = slot
+                stored.append(keys[i])
+        self.counters["put_keys"] += n
+        return PutTicket(list(keys), list(sizes), status, slots, stored)
+
+    def end_put(self, ticket: PutTicket, ok: bool) -> None:
+        """All bytes of the accepted keys arrived (``ok``) or the put failed: READY or gone."""
+        if not ticket.stored:
+            return
+        if ok:
+            for slot, size in zip(ticket.slots, ticket.sizes):
+                if slot >= 0:
+                    self.slab.seal(slot, size)
+            self.counters["stored"] += len(ticket.stored)
+        else:
+            for i, slot in enumerate(ticket.slots):
+                if slot >= 0:
+                    ticket.status[i] = Status.FAILED
+        self.manager.complete_store(ticket.stored, ok=ok)
+        ticket.stored = []
+        self.wake()
+
+    # ------------------------------------------------------------------ gets
+    async def begin_get(self, keys: Sequence[bytes], capacities: Sequence[int], max_payload: int) -> GetTicket:
+        unique = list(dict.fromkeys(keys))
+        waits = [self._staging[k] for k in unique if k in self._staging]
+        if waits:  # another get is reading these from a lower tier: wait for it, then share
+            await asyncio.wait(waits)
+        host = self.host
+        lower_ready = [t.ready for t in self.manager.lower]
+        loadable = [
+            k for k in unique
+            if k in host.ready or (k not in host.storing and any(k in r for r in lower_ready))
+        ]
+        plan = self.manager.prepare_load(loadable) if loadable else None
+        slot_of: dict[bytes, int] = {}
+        failed: set[bytes] = set()
+        ticket = GetTicket(list(keys), [Status.MISS] * len(keys), [-1] * len(keys), [0] * len(keys), [])
+        if plan is not None:
+            ticket.pinned = list(plan.keys)
+            slot_of = dict(zip(plan.keys, plan.slots))
+            staged = [(k, t, s) for k, t, s, st in zip(plan.keys, plan.tiers, plan.slots, plan.staged) if st]
+            ticket.lower_hits = len(staged)
+            ticket.host_hits = len(plan.keys) - len(staged)
+            if staged:
+                ticket.staged = [k for k, _, _ in staged]
+                loop = asyncio.get_running_loop()
+                for key in ticket.staged:
+                    self._staging[key] = loop.create_future()
+                reading = asyncio.ensure_future(self._stage(staged))
+                try:
+                    failed = await asyncio.shield(reading)
+                except asyncio.CancelledError:
+                    # The lower tier still writes into the staging slots: release them (and the
+                    # pins) only when its job has reported, then let the cancellation through.
+                    reading.add_done_callback(lambda _, t=ticket: self._abandon(t))
+                    raise
+        if failed:
+            self.manager.complete_load(list(failed), failed=failed)  # frees their staging slots
+            self.manager.discard(list(failed))  # the lower copy is bad: never again
+            ticket.pinned = [k for k in ticket.pinned if k not in failed]
+            self.counters["tier_failures"] += len(failed)
+        payload = 0
+        for i, key in enumerate(keys):
+            slot = slot_of.get(key)
+            if slot is None:
+                continue
+            if key in failed:
+                ticket.status[i] = Status.FAILED
+                continue
+            size = self.slab.size_of(slot)
+            if size is None:
+                ticket.status[i] = Status.FAILED
+            elif size > capacities[i]:
+                ticket.status[i] = Status.BAD_SIZE
+            elif payload + size > max_payload:
+                ticket.status[i] = Status.LIMIT
+            else:
+                ticket.status[i] = Status.OK
+                ticket.slots[i] = slot
+                ticket.sizes[i] = size
+                payload += size
+        hits = sum(1 for s in ticket.status if s is Status.OK)
+        self.counters["get_keys"] += len(keys)
+        self.counters["hits"] += hits
+        self.counters["misses"] += len(keys) - hits
+        self.counters["lower_hits"] += ticket.lower_hits
+        return ticket
+
+    def end_get(self, ticket: GetTicket) -> None:
+        """The values were sent (or the send failed): unpin the slots (staged chunks stay in host)."""
+        if ticket.pinned:
+            self.manager.complete_load(ticket.pinned)
+            ticket.pinned = []
+            self.wake()
+        for key in ticket.staged:
+            done = self._staging.pop(key, None)
+            if done is not None and not done.done():
+                done.set_result(None)
+        ticket.staged = []
+
+    def _abandon(self, ticket: GetTicket) -> None:
+        """A get cancelled while staging: its staged chunks are dropped, every pin released."""
+        self.manager.complete_load(ticket.pinned, failed=set(ticket.staged))
+        ticket.pinned = []
+        self.end_get(ticket)
+
+    async def _stage(self, staged: list[tuple[bytes, str, int]]) -> set[bytes]:
+        """Read lower-tier chunks into their host staging slots; the keys that failed."""
+        by_tier: dict[str, list[tuple[bytes, int]]] = {}
+        for key, tier, slot in staged:
+            by_tier.setdefault(tier, []).append((key, slot))
+        futures = []
+        loop = asyncio.get_running_loop()
+        for tier, items in by_tier.items():
+            keys = tuple(k for k, _ in items)
+            fut: asyncio.Future[set[bytes]] = loop.create_future()
+            job_id = next(self._job_ids)
+            self._jobs[job_id] = _TierJob("stage", tier, keys, fut)
+            try:
+                self.backends[tier].submit_get(job_id, list(keys), [self.slab.slot(s) for _, s in items])
+            except Exception:
+                logger.exception("server tier %s: a staged read failed to start", tier)
+                del self._jobs[job_id]
+                fut.set_result(set(keys))
+            futures.append(fut)
+        self.wake()
+        results = await asyncio.gather(*futures)
+        return set().union(*results)
+
+    # ------------------------------------------------------------------ the pump
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def run_pump(self) -> None:
+        """Deletes, demotions and backend polling, until :meth:`stop`."""
+        self._wake = asyncio.Event()
+        while not self._stopping:
+            busy = self.pump_once()
+            if busy:
+                await asyncio.sleep(_BUSY_PUMP_S)
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), _IDLE_PUMP_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def pump_once(self) -> bool:
+        """One round; True while backend jobs are in flight."""
+        manager = self.manager
+        for tier, keys in manager.take_deletes().items():
+            try:
+                self.backends[tier].delete(keys)
+            except Exception:
+                logger.exception("server tier %s: deleting %d chunks failed", tier, len(keys))
+        if self.backends:
+            for plan in manager.prepare_demotions():
+                job_id = next(self._job_ids)
+                self._jobs[job_id] = _TierJob("demote", plan.tier, plan.keys)
+                try:
+                    self.backends[plan.tier].submit_put(
+                        job_id, list(plan.keys), [self.slab.slot(s) for s in plan.host_slots]
+                    )
+                except Exception:
+                    logger.exception("server tier %s: a demotion failed to start", plan.tier)
+                    del self._jobs[job_id]
+                    manager.complete_demotion(plan.tier, plan.keys, failed=set(plan.keys))
+        for name, backend in self.backends.items():
+            try:
+                results = backend.poll()
+            except Exception:
+                logger.exception("server tier %s: poll failed", name)
+                continue
+            for result in results:
+                job = self._jobs.pop(result.job_id, None)
+                if job is None:
+                    continue
+                if result.failed_keys:
+                    self.counters["tier_failures"] += len(result.failed_keys)
+                if job.kind == "demote":
+                    manager.complete_demotion(job.tier, job.keys, failed=set(result.failed_keys))
+                elif job.future is not None and not job.future.done():
+                    job.future.set_result(set(result.failed_keys))
+        manager.take_events()  # nobody subscribes on the server; keep the list bounded
+        return bool(self._jobs)
+
+    async def flush(self, timeout: float) -> bool:
+        """Copy everything queued down to the lower tiers and wait for every job; True if done.
+
+        ``pump_once`` plans the next demotions itself, so the queue is empty
+        once a round ends with no job in flight.
+        """
+        deadline = time.monotonic() + timeout
+        while self.pump_once():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(_BUSY_PUMP_S)
+        return True
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.wake()
+
+    def close(self) -> None:
+        for name, backend in self.backends.items():
+            try:
+                backend.close()
+            except Exception:
+                logger.exception("server tier %s: close failed", name)
+
+    # ------------------------------------------------------------------ stats
+    def tier_stats(self) -> list[TierStats]:
+        out = []
+        for tier in self.manager.tiers:
+            name = tier.name
+            if tier is self.host:
+                used = tier.used_slots * self.slab.slot_bytes
+            else:
+                backend_stats = getattr(self.backends[name], "stats", None)
+                stats = backend_stats() if callable(backend_stats) else {}
+                used = int(stats.get("bytes_used", tier.used_slots * self._footprints[name]))
+            s = tier.stats
+            out.append(TierStats(
+                name=name, backend=self._tier_backend[name], capacity_bytes=self._capacity[name],
+                used_bytes=used, chunks=len(tier.ready), hit_chunks=s.hit_chunks,
+                stored_chunks=s.stored_chunks, evictions=s.evictions,
+            ))
+        return out
