@@ -70,6 +70,7 @@ from pydantic import Field
 
 from tiercache import integrity
 from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+from tiercache.counters import Counters
 from tiercache.config import ByteSize
 
 logger = logging.getLogger(__name__)
@@ -412,21 +413,6 @@ _COUNTERS = ("puts", "gets", "put_failures", "get_failures", "checksum_failures"
              "delete_failures")
 
 
-class _Counters:
-    """Key counts, bumped by the I/O threads and read by the owner."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(_COUNTERS, 0)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._values[name] += delta
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
 
 
 class _Every:
@@ -474,7 +460,7 @@ class LMDBBackend(Backend):
             self.capacity_chunks * max(1, context.world_size), self.frame_bytes
         )
         self._framer = _Framer(context.namespace, context.chunk_bytes)
-        self._counters = _Counters()
+        self._counters = Counters(_COUNTERS)
         self._results: list[JobResult] = []
         self._results_lock = threading.Lock()
         # key -> its queued deletes not yet committed. Changed under the lock; get threads

@@ -115,6 +115,7 @@ from redis.retry import Retry
 
 from tiercache import integrity
 from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+from tiercache.counters import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -405,7 +406,7 @@ class _Link:
     """
 
     def __init__(
-        self, settings: RedisSettings, counters: _Counters, name: str,
+        self, settings: RedisSettings, counters: Counters, name: str,
         make_client: Callable[[], Client],
     ) -> None:
         self._settings = settings
@@ -583,21 +584,6 @@ _COUNTERS = (
 )
 
 
-class _Counters:
-    """Event counts, bumped by any thread, read by the owner."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(_COUNTERS, 0)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._values[name] += delta
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
 
 
 class _Load(enum.Enum):
@@ -631,7 +617,7 @@ class RedisBackend(Backend):
             raise ValueError(f"namespace digest must be 8 bytes, got {len(context.namespace)}")
         self.settings = settings
         self.context = context
-        self._counters = _Counters()
+        self._counters = Counters(_COUNTERS)
         self._results: list[JobResult] = []
         self._answers: list[tuple[Hashable, list[bool]]] = []
         self._results_lock = threading.Lock()
