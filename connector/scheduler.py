@@ -209,9 +209,6 @@ class TierCacheScheduler:
         self._count("hit_tokens", num_external_tokens)
         self._count("load_jobs", 1)
 
-    def hit_sources(self, request: "Request", num_external_tokens: int) -> dict[str, int]:
-        return {"host": num_external_tokens} if num_external_tokens else {}
-
     # ---------------------------------------------------------- per step
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierCacheConnectorMetadata:
         stores: list[TransferJobSpec] = []
