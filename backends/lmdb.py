@@ -70,6 +70,7 @@ from pydantic import Field
 
 from tiercache import integrity
 from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+from tiercache.buffers import as_key_bytes, flat_byte_view
 from tiercache.counters import Counters
 from tiercache.config import ByteSize
 
@@ -233,20 +234,7 @@ def _copy(dst: memoryview, src: memoryview) -> None:
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
-def _as_bytes(key: Any) -> Any:
-    """A key as ``bytes`` (from any bytes-like object); anything else as it is, to be refused."""
-    return bytes(key) if isinstance(key, (bytes, bytearray, memoryview)) else key
 
-
-def _flat_bytes(view: Any, writable: bool) -> memoryview | None:
-    """``view`` as a flat unsigned-byte memoryview over the same memory; None if unusable."""
-    try:
-        mv = memoryview(view)
-        if not mv.c_contiguous or (writable and mv.readonly):
-            return None
-        return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-    except (TypeError, ValueError, BufferError):
-        return None
 
 
 # ------------------------------------------------------------------------ environment
@@ -499,7 +487,7 @@ class LMDBBackend(Backend):
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Queue the keys' removal (one write transaction); gets and ``contains`` miss them now."""
-        keys = [k for k in map(_as_bytes, keys) if isinstance(k, bytes) and k]
+        keys = [k for k in map(as_key_bytes, keys) if isinstance(k, bytes) and k]
         if self._closed or self.settings.readonly or not keys:
             return
         with self._deleting_lock:
@@ -547,12 +535,12 @@ class LMDBBackend(Backend):
         views: Sequence[memoryview],
     ) -> _Job | None:
         """Check a job's keys and buffers on the owner thread; None once it is already reported."""
-        job = _Job(kind, job_id, [], submitted=[_as_bytes(k) for k in keys])
+        job = _Job(kind, job_id, [], submitted=[as_key_bytes(k) for k in keys])
         if self._closed or len(keys) != len(views) or (kind == "put" and self.settings.readonly):
             job.refused = list(job.submitted)
         else:
             for key, view in zip(job.submitted, views):
-                flat = _flat_bytes(view, writable=kind == "get")
+                flat = flat_byte_view(view, writable=kind == "get")
                 if flat is None or not self._acceptable(key, flat):
                     job.refused.append(key)
                 else:
@@ -759,7 +747,7 @@ class LMDBBackend(Backend):
             cursor = txn.cursor()
             return [
                 self._storable(key) and key not in self._deleting and cursor.set_key(key)
-                for key in map(_as_bytes, keys)
+                for key in map(as_key_bytes, keys)
             ]
 
     def _recover_txn(self) -> list[bytes]:

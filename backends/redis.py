@@ -115,6 +115,7 @@ from redis.retry import Retry
 
 from tiercache import integrity
 from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+from tiercache.buffers import as_key_bytes, flat_byte_view
 from tiercache.counters import Counters
 
 logger = logging.getLogger(__name__)
@@ -655,7 +656,7 @@ class RedisBackend(Backend):
 
     def submit_contains(self, token: Hashable, keys: Sequence[bytes]) -> None:
         """Ask which ``keys`` Redis holds; the answer comes once from :meth:`poll_contains`."""
-        wanted = [_as_bytes(k) for k in keys]
+        wanted = [as_key_bytes(k) for k in keys]
         if self._closed or not any(map(self._storable, wanted)):
             self._answer(token, [False] * len(wanted))
         else:
@@ -672,7 +673,7 @@ class RedisBackend(Backend):
 
         Right after construction it first waits for the first connection attempt.
         """
-        wanted = [_as_bytes(k) for k in keys]
+        wanted = [as_key_bytes(k) for k in keys]
         client = None if self._closed else self._link.client(wait_for_start=True)
         if client is None:
             return [False] * len(wanted)
@@ -680,7 +681,7 @@ class RedisBackend(Backend):
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Queue the keys' removal; gets and lookups miss them from now on."""
-        keys = [k for k in map(_as_bytes, keys) if self._storable(k)]
+        keys = [k for k in map(as_key_bytes, keys) if self._storable(k)]
         if self._closed or not keys:
             return
         with self._deleting_lock:
@@ -717,12 +718,12 @@ class RedisBackend(Backend):
         views: Sequence[memoryview],
     ) -> _Job | None:
         """Check a job's keys and buffers on the owner thread; None once it is already reported."""
-        job = _Job(kind, job_id, [], submitted=[_as_bytes(k) for k in keys])
+        job = _Job(kind, job_id, [], submitted=[as_key_bytes(k) for k in keys])
         if self._closed or len(keys) != len(views):
             job.refused = list(range(len(job.submitted)))
         else:
             for i, (key, view) in enumerate(zip(job.submitted, views)):
-                flat = _byte_view(view, writable=kind == "get")
+                flat = flat_byte_view(view, writable=kind == "get")
                 usable = flat is not None and 0 < flat.nbytes <= self.context.chunk_bytes
                 if usable and self._storable(key):
                     job.keys.append(key)
@@ -945,17 +946,4 @@ def _in_order(job: _Job, failed: list[bytes]) -> list[bytes]:
     return [key for i, key in enumerate(job.submitted) if i in refused or key in gone]
 
 
-def _as_bytes(key: Any) -> Any:
-    """A key as ``bytes`` (from any bytes-like object); anything else as it is, to be refused."""
-    return bytes(key) if isinstance(key, (bytes, bytearray, memoryview)) else key
 
-
-def _byte_view(view: Any, writable: bool) -> memoryview | None:
-    """``view`` as a flat unsigned-byte memoryview over the same memory; None if unusable."""
-    try:
-        mv = memoryview(view)
-        if not mv.c_contiguous or (writable and mv.readonly):
-            return None
-        return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-    except (TypeError, ValueError, BufferError):
-        return None
