@@ -29,8 +29,10 @@ from tiercache.transfer import TransferJobSpec
 
 from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
 
+from tiercache.backends.nixl_peer import PEER_TIER, PeerSource
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.connector.pd import PDScheduler, pd_settings
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -64,6 +66,8 @@ class TierCacheScheduler:
         config: TierCacheConfig,
         geometry: ChunkGeometry,
         metrics: TierCacheMetrics | None = None,
+        kv_role: str = "kv_both",
+        engine_id: str = "0",
     ) -> None:
         self.config = config
         self.geometry = geometry
@@ -72,9 +76,17 @@ class TierCacheScheduler:
         self.bpc = geometry.blocks_per_chunk
         self.keys = geometry.keyspace(config)
         host = config.host_tier
-        self.manager = OffloadingManager(
-            [TierSpec(host.name, geometry.host_slots, host.policy), *lower_tier_specs(config, geometry)]
-        )
+        pd = pd_settings(kv_role, config.pd)
+        specs = [TierSpec(host.name, geometry.host_slots, host.policy), *lower_tier_specs(config, geometry)]
+        if pd is not None and kv_role in ("kv_consumer", "kv_both"):
+            # The producers, seen as one read-only shared tier (what they announced).
+            specs.append(TierSpec(PEER_TIER, pd.max_peer_chunks, "lru", "read_only", shared=True))
+        self.manager = OffloadingManager(specs)
+        self.pd: PDScheduler | None = None
+        if pd is not None:
+            self.pd = PDScheduler(pd, kv_role, self.keys, self.manager, geometry.chunk_tokens,
+                                  engine_id, geometry.engine.tp_size)
+        self._step_peer_sources: dict[bytes, PeerSource] = {}
         self._chunk_bytes_by_tier = {t.name: geometry.slot_bytes for t in config.tiers}
         self._step_deletes: dict[str, list[bytes]] = {}
         for tier_name, extra in recover_lower_tiers(config, geometry, self.keys.digest, self.manager).items():
@@ -96,6 +108,7 @@ class TierCacheScheduler:
         self._kv_cache_manager: KVCacheManager | None = None
         self._counters: dict[str, float] = {}
         self._last_evictions = 0
+        self._pd_published: dict[str, int] = {}
 
     # ------------------------------------------------------------ plumbing
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
@@ -126,6 +139,8 @@ class TierCacheScheduler:
         keys = self.keys.chunk_keys(request.block_hashes)
         if not keys:
             return 0, False
+        if self.pd is not None:
+            self.pd.learn(request, keys)
         hits = self.manager.lookup(keys) or 0
         if self._shared is not None and hits < len(keys):
             asked = self._ask_shared_tiers(request, keys, hits)
@@ -199,6 +214,8 @@ class TierCacheScheduler:
             tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + min(end, (chunk + 1) * ct) - max(start, chunk * ct)
         job = self._new_job("load", request.request_id, plan.keys, tuple(segments))
         self._step_loads.append(job)
+        if self.pd is not None:
+            self._step_peer_sources.update(self.pd.sources_for(plan.tiers, plan.keys))
         if any(plan.staged):
             self._step_staging[job.job_id] = tuple(
                 t if staged else None for t, staged in zip(plan.tiers, plan.staged)
@@ -230,6 +247,8 @@ class TierCacheScheduler:
         ]
         for tier_name, keys in self.manager.take_deletes().items():
             self._step_deletes.setdefault(tier_name, []).extend(keys)
+        if self.pd is not None:
+            self._pd_step()
         meta = TierCacheConnectorMetadata(
             loads=self._step_loads,
             stores=stores,
@@ -238,8 +257,10 @@ class TierCacheScheduler:
             invalid_block_ids=self._step_invalid,
             demotes=demotes,
             deletes=self._step_deletes,
+            peer_sources=self._step_peer_sources,
         )
         self._step_loads, self._step_staging, self._step_invalid, self._step_deletes = [], {}, [], {}
+        self._step_peer_sources = {}
         self._sync_tier_metrics()
         return meta
 
@@ -272,9 +293,23 @@ class TierCacheScheduler:
         self._count("store_jobs", 1)
         return self._new_job("store", req_id, plan.keys, tuple(segments))
 
+    def _pd_step(self) -> None:
+        """Expire unread hand-offs; publish the P/D counters."""
+        assert self.pd is not None
+        self.pd.expire()
+        for name, value in self.pd.counters.items():
+            if name.startswith("handoffs_"):
+                outcome = name.removeprefix("handoffs_")
+                metric = self.metrics.label(self.metrics.pd_handoffs, outcome)
+                metric.inc(value - self._pd_published.get(name, 0))  # type: ignore[union-attr]
+                self._pd_published[name] = value
+        self.metrics.label(self.metrics.pd_held_chunks).set(self.pd.held_chunks)  # type: ignore[union-attr]
+
     def update_connector_output(self, worker_meta: TierCacheWorkerMetadata | None) -> None:
         if worker_meta is None:
             return
+        if self.pd is not None and worker_meta.handoffs_read:
+            self.pd.handoffs_read(worker_meta.handoffs_read)
         for job_id, report in worker_meta.done.items():
             rec = self._jobs.get(job_id)
             if rec is None:
@@ -296,10 +331,13 @@ class TierCacheScheduler:
             self._count(f"failed_{rec.direction}_chunks", len(rec.failed))
         if rec.direction == "load":
             self.manager.complete_load(rec.keys, failed=rec.failed)
+            if self.pd is not None:
+                self.pd.load_finished(rec.keys, rec.failed)
             if rec.failed:
                 # A chunk that failed to load is dropped, so the recompute that vLLM now
                 # schedules does not look it up and fail on it again (a livelock).
                 self.manager.discard(list(rec.failed))
+                self._reoffer_after_failed_load(rec)
             return
         if rec.direction == "demote":
             self.manager.complete_demotion(rec.req_id, rec.keys, failed=rec.failed)
@@ -308,6 +346,16 @@ class TierCacheScheduler:
         self.manager.complete_store(ok, ok=True)
         if rec.failed:
             self.manager.complete_store(list(rec.failed), ok=False)
+
+    def _reoffer_after_failed_load(self, rec: _JobRecord) -> None:
+        """Store the failed chunks again once vLLM has recomputed them (else: misses for good)."""
+        st = self._reqs.get(rec.req_id)
+        if st is None:
+            return
+        keys = self.keys.chunk_keys(st.request.block_hashes)
+        failed_at = [i for i, key in enumerate(keys) if key in rec.failed]
+        if failed_at:
+            st.next_store_chunk = min(st.next_store_chunk, failed_at[0])
 
     def _sync_tier_metrics(self) -> None:
         for name, (used, _total) in self.manager.usage().items():
@@ -320,6 +368,9 @@ class TierCacheScheduler:
         self._reqs.pop(request.request_id, None)
         if self._shared is not None:
             self._shared.forget(request.request_id)
+        if self.pd is not None:
+            self.pd.forget_request(request.request_id)
+            return False, self.pd.request_finished(request)
         return False, None
 
     def take_events(self) -> list[ChunkEvent]:

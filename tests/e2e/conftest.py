@@ -1,4 +1,4 @@
-"""Shared fixtures for end-to-end tests: the random-weight models and free ports.
+"""Shared fixtures for end-to-end tests: random-weight models, free ports, connector configs.
 
 Every engine runs in a subprocess (tiercache.testing.engine_runner) with a
 timeout; nothing here imports vLLM into the pytest process.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 import random
 import socket
+from typing import Any
 
 import pytest
 
@@ -43,3 +44,30 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port in 20000-30000")
+
+
+def tiercache_kv_config(
+    chunk_tokens: int,
+    lower_tiers: list[dict[str, Any]],
+    metrics_port: int | None = None,
+    host_capacity: str | int = "64MiB",
+    kv_role: str = "kv_both",
+    **extra: Any,
+) -> dict[str, Any]:
+    """A ``kv_transfer_config`` dict for TierCacheConnector: a host tier, then ``lower_tiers``.
+
+    ``extra`` goes into tiercache's own config next to ``chunk_tokens`` and ``tiers``.
+    """
+    config: dict[str, Any] = {
+        "chunk_tokens": chunk_tokens,
+        "tiers": [{"name": "cpu", "backend": "cpu", "capacity": host_capacity}, *lower_tiers],
+        **extra,
+    }
+    if metrics_port is not None:
+        config["metrics"] = {"port": metrics_port}
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connector.vllm",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": config,
+    }

@@ -10,6 +10,7 @@ the runner, with a single engine start (float32, no kv_transfer_config).
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 from typing import Any
 
@@ -76,7 +77,7 @@ def check_conversation(conv: dict[str, Any]) -> None:
     turns = conv["requests"]
     assert conv["kind"] == "conversation" and len(turns) == 3
     assert turns[0]["num_cached_tokens"] == 0
-    for prev, cur in zip(turns, turns[1:]):
+    for prev, cur in itertools.pairwise(turns):
         history = prev["prompt_token_ids"] + prev["output_token_ids"]
         assert cur["prompt_token_ids"][: len(history)] == history
         assert len(cur["prompt_token_ids"]) == len(history) + 8

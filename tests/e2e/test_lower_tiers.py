@@ -22,7 +22,7 @@ import pytest
 
 from tiercache.testing.engine_runner import random_prompts, run_engine
 
-from .conftest import free_port
+from .conftest import free_port, tiercache_kv_config
 
 CHUNK = 128
 HOST_CHUNKS = 8  # one request's 4 chunks fit as staging, with slack for copies in flight; 24 do not
@@ -47,19 +47,8 @@ def spec(model: pathlib.Path, kind: str | None, path: pathlib.Path | None) -> di
     port = free_port() if kind else None
     kv = None
     if kind:
-        kv = {
-            "kv_connector": "TierCacheConnector",
-            "kv_connector_module_path": "tiercache.connector.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "chunk_tokens": CHUNK,
-                "tiers": [
-                    {"name": "cpu", "backend": "cpu", "capacity": HOST_CHUNKS * CHUNK * 4096},
-                    lower_tier(kind, path),  # type: ignore[arg-type]
-                ],
-                "metrics": {"port": port},
-            },
-        }
+        kv = tiercache_kv_config(CHUNK, [lower_tier(kind, path)],  # type: ignore[arg-type]
+                                 metrics_port=port, host_capacity=HOST_CHUNKS * CHUNK * 4096)
     return {
         "model_dir": str(model),
         "dtype": "float32",

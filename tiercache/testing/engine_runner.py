@@ -32,13 +32,25 @@ Spec (JSON object; only ``model_dir`` and ``rounds`` are required)::
        "reset_prefix_cache_before": bool = false,   # LLM.reset_prefix_cache() first
        "reset_connector": bool = false,             # ... with reset_connector=True
        "warmup": bool = false,                      # only recorded, for consumers
-       "sequential": bool = false}                  # one request at a time (clean TTFT)
+       "sequential": bool = false,                  # one request at a time (clean TTFT)
+       "barrier": str = null,                       # wait for the test before this round
+       "kv_transfer_params": dict | [dict, ...],    # per request (P/D), or one for all
+       "kv_transfer_params_file": str}              # ... read from this JSON file at round start
       or {"conversation": {"first_prompt": [ids], "turns": N,
                            "user_tokens_per_turn": [[ids], ...],  # >= N-1 entries
                            "max_tokens": int,
                            "reset_prefix_cache_between_turns": bool = false},
           "reset_prefix_cache_before": ..., "reset_connector": ..., "warmup": ...}
       (turn i > 0 sends prompt(i-1) + output(i-1) + user_tokens_per_turn[i-1]).
+    barrier_dir              str    directory for round barriers (set by EngineRun); on reaching
+                                    one, the rounds so far are written to NAME.partial.json
+    barrier_timeout_s        float  default 300: longest wait at one barrier
+
+A round with ``"barrier": NAME`` lets a test act in the middle of an engine's
+life (kill a shared tier, restart it): before the round, the runner creates
+``barrier_dir/NAME.reached`` and waits until ``barrier_dir/NAME.go`` exists.
+With :class:`EngineRun` the test calls ``wait_for(NAME)``, does its work, then
+``release(NAME)``; ``release_after`` releases it and the round starts at once.
 
 Result (JSON object)::
 
@@ -75,7 +87,8 @@ DEFAULT_ENV: dict[str, str] = {
     "VLLM_CPU_OMP_THREADS_BIND": "0",
 }
 METRIC_NAME_PARTS = (
-    "kv_connector", "prefix_cache", "external", "prompt_tokens_cached", "num_preemptions"
+    "kv_connector", "prefix_cache", "external", "prompt_tokens_cached", "num_preemptions",
+    "prompt_tokens_by_source",
 )
 IGNORED_METRIC_LABELS = ("model_name", "engine")
 LOG_TAIL_CHARS = 4000
@@ -136,34 +149,82 @@ def run_engine(
     """
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="tiercache-e2e-") as tmp:
-            return _run_in(spec, timeout_s, pathlib.Path(tmp))
-    workdir.mkdir(parents=True, exist_ok=True)
-    return _run_in(spec, timeout_s, workdir)
+            return EngineRun(spec, pathlib.Path(tmp)).result(timeout_s)
+    return EngineRun(spec, workdir).result(timeout_s)
 
 
-def _run_in(spec: dict[str, Any], timeout_s: float, workdir: pathlib.Path) -> dict[str, Any]:
-    spec_path, out_path, log_path = (
-        workdir / "spec.json", workdir / "result.json", workdir / "engine.log")
-    spec_path.write_text(json.dumps(spec))
-    out_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "tiercache.testing.engine_runner",
-           "--spec", str(spec_path), "--out", str(out_path)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_subprocess_env(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+class EngineRun:
+    """One engine runner subprocess the test can talk to between rounds.
+
+    ``EngineRun(spec, workdir)`` starts the process at once (spec, result,
+    ``engine.log`` and the barrier files live in ``workdir``). Rounds with a
+    ``"barrier"`` wait for :meth:`release`; :meth:`wait_for` blocks until the
+    engine reached one. :meth:`result` waits for the end, kills the process
+    group whatever happens, and returns the parsed result.
+
+    Threads: one test thread drives an EngineRun.
+    """
+
+    def __init__(self, spec: dict[str, Any], workdir: pathlib.Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.barrier_dir = workdir / "barriers"
+        self.barrier_dir.mkdir(exist_ok=True)
+        for stale in self.barrier_dir.iterdir():
+            stale.unlink()
+        spec = {**spec, "barrier_dir": str(self.barrier_dir)}
+        self.spec_path, self.out_path = workdir / "spec.json", workdir / "result.json"
+        self.log_path = workdir / "engine.log"
+        self.spec_path.write_text(json.dumps(spec))
+        self.out_path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "tiercache.testing.engine_runner",
+               "--spec", str(self.spec_path), "--out", str(self.out_path)]
+        self._started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_subprocess_env(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_for(self, barrier: str, timeout_s: float = 600) -> None:
+        """Block until the engine reached ``barrier`` (RuntimeError if it died or timed out)."""
+        reached = self.barrier_dir / f"{barrier}.reached"
+        deadline = time.monotonic() + timeout_s
+        while not reached.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine runner exited (rc={self.proc.returncode}) before barrier "
+                                   f"{barrier!r}; log tail:\n{_log_tail(self.log_path)}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"engine did not reach barrier {barrier!r} in {timeout_s:.0f}s; "
+                                   f"log tail:\n{_log_tail(self.log_path)}")
+            time.sleep(0.05)
+
+    def partial(self, barrier: str) -> dict[str, Any]:
+        """The rounds the engine finished before ``barrier`` (after :meth:`wait_for`)."""
+        return json.loads((self.barrier_dir / f"{barrier}.partial.json").read_text())
+
+    def release(self, barrier: str) -> None:
+        """Let the engine start the round waiting at ``barrier``."""
+        (self.barrier_dir / f"{barrier}.go").touch()
+
+    def kill(self) -> None:
+        _kill_group(self.proc)
+        self.proc.wait()
+
+    def result(self, timeout_s: float = 600) -> dict[str, Any]:
+        """Wait for the runner (``timeout_s`` counted from its start) and return its result."""
+        remaining = max(1.0, timeout_s - (time.monotonic() - self._started))
         try:
-            rc = proc.wait(timeout=timeout_s)
+            rc = self.proc.wait(timeout=remaining)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.wait()
+            self.kill()
             raise RuntimeError(
-                f"engine runner timed out after {timeout_s:.0f}s; log tail:\n{_log_tail(log_path)}"
+                f"engine runner timed out after {timeout_s:.0f}s; log tail:\n{_log_tail(self.log_path)}"
             ) from None
         finally:
-            _kill_group(proc)  # reap any engine process left behind
-    if rc != 0 or not out_path.is_file():
-        raise RuntimeError(f"engine runner failed (rc={rc}); log tail:\n{_log_tail(log_path)}")
-    return json.loads(out_path.read_text())
+            _kill_group(self.proc)  # reap any engine process left behind
+        if rc != 0 or not self.out_path.is_file():
+            raise RuntimeError(f"engine runner failed (rc={rc}); log tail:\n{_log_tail(self.log_path)}")
+        return json.loads(self.out_path.read_text())
 
 
 # --------------------------------------------------------------------------- script
@@ -222,6 +283,7 @@ def request_record(output: Any, with_prompt: bool) -> dict[str, Any]:
         "prompt_len": len(prompt),
         "output_token_ids": list(output.outputs[0].token_ids),
         "num_cached_tokens": output.num_cached_tokens,
+        "kv_transfer_params": getattr(output, "kv_transfer_params", None),
         **_timing(output.metrics),
     }
     if with_prompt:
@@ -229,23 +291,44 @@ def request_record(output: Any, with_prompt: bool) -> dict[str, Any]:
     return record
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Any]:
+def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
+             kv_params: Sequence[dict[str, Any] | None] | None = None) -> list[Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True,
-                            detokenize=False)
+    def params(kv: dict[str, Any] | None) -> Any:
+        extra = {"kv_transfer_params": kv} if kv else None
+        return SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True,
+                              detokenize=False, extra_args=extra)
+
     batch = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-    return llm.generate(batch, params, use_tqdm=False)
+    per_request = [params(kv) for kv in (kv_params or [None] * len(batch))]
+    return llm.generate(batch, per_request, use_tqdm=False)
+
+
+def round_kv_params(rnd: dict[str, Any], n: int) -> list[dict[str, Any] | None] | None:
+    """The round's per-request kv_transfer_params (inline or from a file), or None."""
+    value = rnd.get("kv_transfer_params")
+    if rnd.get("kv_transfer_params_file"):
+        value = json.loads(pathlib.Path(rnd["kv_transfer_params_file"]).read_text())
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"kv_transfer_params: {len(value)} entries for {n} prompts")
+    return list(value)
 
 
 def _run_prompts(llm: Any, rnd: dict[str, Any]) -> dict[str, Any]:
+    kv = round_kv_params(rnd, len(rnd["prompts"]))
     start = time.perf_counter()
     if rnd.get("sequential"):
         # One request at a time: time-to-first-token is then prefill time, not queueing.
-        outputs = [generate(llm, [p], rnd["max_tokens"])[0] for p in rnd["prompts"]]
+        outputs = [generate(llm, [p], rnd["max_tokens"], [kv[i]] if kv else None)[0]
+                   for i, p in enumerate(rnd["prompts"])]
     else:
-        outputs = generate(llm, rnd["prompts"], rnd["max_tokens"])
+        outputs = generate(llm, rnd["prompts"], rnd["max_tokens"], kv)
     wall = time.perf_counter() - start
     records = [request_record(o, with_prompt=False) for o in outputs]
     return {"kind": "prompts", "wall_s": wall, "requests": records}
@@ -320,6 +403,22 @@ def scrape_tiercache_metrics(url: str | None) -> dict[str, float]:
     return out
 
 
+def wait_at_barrier(spec: dict[str, Any], name: str, rounds_so_far: list[dict[str, Any]]) -> None:
+    """Write the rounds so far, signal ``name``.reached, wait for ``name``.go in barrier_dir."""
+    directory = spec.get("barrier_dir")
+    if not directory:
+        raise ValueError(f"round barrier {name!r} needs barrier_dir (run through EngineRun)")
+    base = pathlib.Path(directory)
+    _write_json_atomic(base / f"{name}.partial.json", {"rounds": rounds_so_far})
+    (base / f"{name}.reached").touch()
+    deadline = time.monotonic() + float(spec.get("barrier_timeout_s", 300))
+    while not (base / f"{name}.go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody released barrier {name!r}")
+        time.sleep(0.05)
+    print(f"[engine_runner] released from barrier {name!r}", flush=True)
+
+
 def _run_round(llm: Any, index: int, rnd: dict[str, Any], metrics_url: str | None = None) -> dict[str, Any]:
     reset = bool(rnd.get("reset_prefix_cache_before", False))
     if reset:
@@ -351,7 +450,11 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     llm = vllm.LLM(**llm_kwargs(spec))
     engine_start = time.perf_counter() - t0
     url = spec.get("tiercache_metrics_url")
-    rounds = [_run_round(llm, i, rnd, url) for i, rnd in enumerate(spec["rounds"])]
+    rounds = []
+    for i, rnd in enumerate(spec["rounds"]):
+        if rnd.get("barrier"):
+            wait_at_barrier(spec, str(rnd["barrier"]), rounds)
+        rounds.append(_run_round(llm, i, rnd, url))
     return {"vllm_version": vllm.__version__, "engine_start_s": engine_start,
             "total_s": time.perf_counter() - t0, "rounds": rounds}
 
