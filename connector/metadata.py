@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from tiercache.backends.nixl_peer import PeerSource
 from tiercache.pipeline import DemoteJobSpec
 from tiercache.transfer import TransferJobSpec
 
@@ -31,6 +32,8 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     invalid_block_ids: list[int] = field(default_factory=list)
     demotes: list[DemoteJobSpec] = field(default_factory=list)
     deletes: dict[str, list[bytes]] = field(default_factory=dict)
+    # P/D consumer: which producer holds each key this step loads from the peer tier
+    peer_sources: dict[bytes, PeerSource] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,12 +49,15 @@ class JobReport:
 @dataclass
 class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     done: dict[int, JobReport] = field(default_factory=dict)
+    # P/D producer: its request ids whose hand-off a consumer finished reading
+    handoffs_read: set[str] = field(default_factory=set)
 
     def add(self, job_id: int, failed_keys: tuple[bytes, ...], num_bytes: int, secs: float) -> None:
         self.done[job_id] = JobReport(1, set(failed_keys), num_bytes, secs)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
+        self.handoffs_read |= other.handoffs_read
         for job_id, rep in other.done.items():
             mine = self.done.get(job_id)
             if mine is None:

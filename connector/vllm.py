@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROLES = ("kv_both",)
+SUPPORTED_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
 def _worker_rank() -> int:
@@ -91,7 +91,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             metrics = TierCacheMetrics(engine_label=str(transfer.engine_id or "0"))
             if self.config.metrics.port is not None:
                 metrics.serve(self.config.metrics.port, self.config.metrics.host)
-            self._scheduler = TierCacheScheduler(self.config, geometry, metrics)
+            self._scheduler = TierCacheScheduler(self.config, geometry, metrics, kv_role=transfer.kv_role,
+                                                 engine_id=str(transfer.engine_id or "0"))
             logger.info(
                 "tiercache: %d-token chunks (%d B), host tier %d chunks, namespace %s",
                 geometry.chunk_tokens,
@@ -101,7 +102,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = TierCacheWorker(
-                self.config, geometry, kv_cache_config.num_blocks, rank=_worker_rank()
+                self.config, geometry, kv_cache_config.num_blocks, rank=_worker_rank(),
+                kv_role=transfer.kv_role,
             )
 
     @property

@@ -20,6 +20,8 @@ import logging
 
 import torch
 
+from tiercache.backend import JobResult
+
 from tiercache.config import ConfigError, TierCacheConfig
 from tiercache.layout import KVBlockLayout
 from tiercache.pipeline import WorkerPipeline
@@ -28,17 +30,29 @@ from tiercache.transfer import TransferEngine, TransferJobSpec
 
 from tiercache.connector.lower_tiers import make_backends
 
+from tiercache.backends.nixl_peer import PEER_TIER, NixlPeerTier
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.connector.pd import CONSUMER_ROLES, PRODUCER_ROLES, pd_settings
+from tiercache.handoff import fingerprint
+from tiercache.pd_channel import HandoffServer
 
 logger = logging.getLogger(__name__)
 
 
 class TierCacheWorker:
     def __init__(
-        self, config: TierCacheConfig, geometry: ChunkGeometry, num_blocks: int, rank: int = 0
+        self, config: TierCacheConfig, geometry: ChunkGeometry, num_blocks: int, rank: int = 0,
+        kv_role: str = "kv_both",
     ) -> None:
         self.config = config
+        self.kv_role = kv_role
+        self.pd = pd_settings(kv_role, config.pd)
+        # P/D (see connector/pd.py): the producer's side channel, the consumer's peer tier.
+        self.handoff: HandoffServer | None = None
+        self.peer: NixlPeerTier | None = None
+        self._stores: dict[int, TransferJobSpec] = {}
+        self._staged_slots: dict[int, list[tuple[bytes, int]]] = {}
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.rank = rank
@@ -64,8 +78,19 @@ class TierCacheWorker:
             faults=self.config.faults,
             copy_threads=self.config.copy_threads,
         )
-        digest = self.geometry.keyspace(self.config).digest
+        keyspace = self.geometry.keyspace(self.config)
+        digest = keyspace.digest
         backends = make_backends(self.config, self.geometry, digest, self.rank)
+        if self.pd is not None:
+            slab = transfer.host.slab
+            fp = fingerprint(keyspace.namespace)
+            if self.kv_role in PRODUCER_ROLES:
+                self.handoff = HandoffServer(slab.data_ptr(), self.geometry.slot_bytes, self.geometry.host_slots,
+                                             fp, self.pd.host, self.pd.port + self.rank)
+            if self.kv_role in CONSUMER_ROLES:
+                self.peer = NixlPeerTier(slab.data_ptr(), slab.numel(), self.geometry.slot_bytes, fp,
+                                         self.rank, self.pd.read_timeout_s)
+                backends[PEER_TIER] = self.peer
         tier_io = TierIO(backends, transfer.host.slab) if backends else None
         self.engine = WorkerPipeline(transfer, tier_io)
         logger.info(
@@ -90,9 +115,16 @@ class TierCacheWorker:
     def start_load_kv(self, meta: TierCacheConnectorMetadata) -> None:
         engine = self._engine()
         self._invalid_blocks.update(meta.invalid_block_ids)
+        if self.peer is not None and meta.peer_sources:
+            self.peer.expect(meta.peer_sources)
         for spec in meta.loads:
             self._loads[spec.job_id] = spec
-            engine.submit(spec, meta.staging.get(spec.job_id, ()))
+            staging = meta.staging.get(spec.job_id, ())
+            if self.handoff is not None and staging:
+                filled = [(k, seg.slot) for k, seg, t in zip(spec.keys, spec.segments, staging) if t]
+                self.handoff.slot_filling([slot for _, slot in filled])
+                self._staged_slots[spec.job_id] = filled
+            engine.submit(spec, staging)
         if meta.loads and meta.loads_are_sync:
             # vLLM calls this before the forward pass when a step has sync loads; the
             # blocks must hold their KV before attention reads them (staged chunks are
@@ -105,7 +137,15 @@ class TierCacheWorker:
         engine = self._engine()
         engine.delete(meta.deletes)  # before the demotions, so the budget has room for them
         for spec in meta.stores:
+            if self.handoff is not None:
+                self.handoff.slot_filling([seg.slot for seg in spec.segments])
+                self._stores[spec.job_id] = spec
             engine.submit(spec)
+        if self.handoff is not None and meta.stores:
+            # A producer's step ends with its chunks in host memory (mode via_host): a
+            # consumer may ask for them the moment the request finishes, and an idle
+            # engine runs no further step that would notice the copies completing.
+            self._absorb(engine.wait_for([spec.job_id for spec in meta.stores]))
         for demote in meta.demotes:
             engine.submit_demote(demote)
 
@@ -118,6 +158,8 @@ class TierCacheWorker:
     def _absorb(self, results: list) -> None:
         for res in results:
             self._report.add(res.job_id, res.failed_keys, res.bytes, res.secs)
+            if self.handoff is not None:
+                self._publish_filled_slots(res)
             spec = self._loads.pop(res.job_id, None)
             if spec is None:
                 continue
@@ -132,12 +174,25 @@ class TierCacheWorker:
                     if key in failed:
                         self._invalid_blocks.update(seg.block_ids)
 
+    def _publish_filled_slots(self, res: JobResult) -> None:
+        """Producer: host slots whose copy finished may now be read by consumers."""
+        assert self.handoff is not None
+        failed = set(res.failed_keys)
+        store = self._stores.pop(res.job_id, None)
+        pairs = [(k, seg.slot) for k, seg in zip(store.keys, store.segments)] if store else []
+        pairs += self._staged_slots.pop(res.job_id, [])
+        ok = [(k, slot) for k, slot in pairs if k not in failed]
+        if ok:
+            self.handoff.slot_filled([k for k, _ in ok], [slot for _, slot in ok])
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
 
     def build_worker_meta(self) -> TierCacheWorkerMetadata | None:
-        if not self._report.done:
+        if self.handoff is not None:
+            self._report.handoffs_read |= self.handoff.take_read_requests()
+        if not self._report.done and not self._report.handoffs_read:
             return None
         report, self._report = self._report, TierCacheWorkerMetadata()
         return report
@@ -147,3 +202,6 @@ class TierCacheWorker:
             self._absorb(self.engine.wait_all())
             self.engine.shutdown()
             self.engine = None
+        if self.handoff is not None:
+            self.handoff.close()
+            self.handoff = None

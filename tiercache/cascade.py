@@ -38,6 +38,8 @@ class LowerTierFlows(_Base):
         plans: list[DemotePlan] = []
         host = self.host
         for tier in self.lower:
+            if tier.spec.mode == "read_only":
+                continue
             if tier.spec.mode == "write_through":
                 candidates = self._take_demote_queue(tier, max_keys)
             else:
@@ -143,6 +145,29 @@ class LowerTierFlows(_Base):
         fit = min(len(fresh), len(tier.free_slots))
         tier.ready.update(zip(fresh[:fit], tier.take_slots(fit)))
         tier.policy.insert_many(fresh[:fit][::-1])
+
+    def forget(self, tier_name: str, keys: Sequence[bytes]) -> None:
+        """Forget what a shared tier was said to hold (nothing is deleted; pinned keys stay)."""
+        tier = self._by_name[tier_name]
+        for key in keys:
+            if key in tier.ready and key not in tier.pins:
+                tier.free_slots.append(tier.ready.pop(key))
+                tier.policy.remove(key)
+
+    def hold(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Pin the leading ``keys`` the host tier holds (READY or STORING) for a hand-off.
+
+        Stops at the first key the host tier lacks (a hand-off is a prefix).
+        Held chunks are never evicted; :meth:`complete_load` releases them.
+        """
+        host = self.host
+        held: list[bytes] = []
+        for key in keys:
+            if key not in host.ready and key not in host.storing:
+                break
+            host.pins[key] = host.pins.get(key, 0) + 1
+            held.append(key)
+        return held
 
     def shared_tiers(self) -> list[str]:
         return [t.name for t in self.lower if t.spec.shared]

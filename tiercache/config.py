@@ -82,6 +82,38 @@ class MetricsConfig(_Frozen):
     host: str = Field(default="127.0.0.1", description="Bind address of the /metrics server.")
 
 
+class PDConfig(_Frozen):
+    """Prefill/decode hand-off (kv_role kv_producer / kv_consumer; see docs/pd.md)."""
+
+    mode: Literal["via_host"] = Field(
+        default="via_host",
+        description="via_host: the producer's chunks go through its host tier (registered with "
+        "NIXL) and its device blocks are freed at once. ('direct', reading the producer's "
+        "device blocks, is not implemented yet.)",
+    )
+    host: str = Field(
+        default="127.0.0.1",
+        description="Producer: address its side channel binds and advertises to consumers.",
+    )
+    port: int = Field(
+        default=5700, ge=1, le=65535 - 64,
+        description="Producer: side-channel TCP port of TP rank 0 (rank r listens on port + r).",
+    )
+    handoff_timeout_s: float = Field(
+        default=120.0, gt=0,
+        description="Producer: a hand-off nobody read after this long is released (its memory returns).",
+    )
+    read_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="Consumer: longest wait for a producer (handshake, readiness, the NIXL read); "
+        "past it the load fails and the engine recomputes.",
+    )
+    max_peer_chunks: int = Field(
+        default=65536, ge=1,
+        description="Consumer: how many announced producer chunks it remembers at once.",
+    )
+
+
 class TierCacheConfig(BaseSettings):
     """The whole tiercache configuration (frozen once built)."""
 
@@ -124,6 +156,11 @@ class TierCacheConfig(BaseSettings):
     )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+    pd: PDConfig | None = Field(
+        default=None,
+        description="Prefill/decode hand-off settings. kv_producer/kv_consumer engines use the "
+        "defaults when absent; a kv_both engine does P/D only when this section is present.",
+    )
 
     @model_validator(mode="after")
     def _check_tiers(self) -> "TierCacheConfig":

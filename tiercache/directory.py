@@ -15,7 +15,7 @@ from typing import Literal
 
 from tiercache.policies import EvictionPolicy, make_policy
 
-TierMode = Literal["write_through", "write_back"]
+TierMode = Literal["write_through", "write_back", "read_only"]
 
 
 class ChunkState(enum.IntEnum):
@@ -31,7 +31,8 @@ class TierSpec:
     num_slots: int
     policy: str = "lru"
     # Lower tiers only: write_through receives every chunk the host tier stores;
-    # write_back receives the host tier's coldest chunks when it runs full.
+    # write_back receives the host tier's coldest chunks when it runs full;
+    # read_only receives nothing (a P/D producer seen from its consumer).
     mode: TierMode = "write_through"
     # Shared tiers (Redis, the cache server) are looked up, not owned: the
     # directory only remembers which chunks were seen there (bounded by

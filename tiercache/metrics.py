@@ -53,6 +53,17 @@ class TierCacheMetrics:
         self.capacity_bytes = Gauge(
             "tiercache_tier_capacity_bytes", "Byte budget of a tier.", labels + ["tier"], registry=self.registry
         )
+        self.pd_handoffs = Counter(
+            "tiercache_pd_handoffs",
+            "P/D hand-offs by outcome: offered (producer), read / expired (producer), "
+            "refused (consumer: incompatible or malformed).",
+            labels + ["outcome"],
+            registry=self.registry,
+        )
+        self.pd_held_chunks = Gauge(
+            "tiercache_pd_held_chunks", "Producer: chunks held for consumers that have not read them yet.",
+            labels, registry=self.registry,
+        )
 
     def observe_transfer(self, path: str, num_bytes: int, secs: float) -> None:
         self.transfer_bytes.labels(self._engine, path).inc(num_bytes)

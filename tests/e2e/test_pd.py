@@ -1,0 +1,188 @@
+"""Prefill/decode disaggregation on real vLLM engines: a producer and consumers over NIXL.
+
+Engines (tiny random-weight Llama, float32), separate processes on loopback:
+
+* ``baseline``: one engine, no connector, prompts A then B (10 tokens each);
+* ``producer`` (kv_producer): prefills A and B (max_tokens 1, kv_transfer_params
+  ``{"do_remote_decode": true}``, as vLLM's P/D proxies send) and returns the
+  hand-off parameters; it stays up while the consumer reads;
+* ``consumer`` (kv_consumer, async loads), running at the same time: round 0
+  decodes all of A at once (several hand-offs in flight) with the producer's
+  parameters: tokens equal the baseline's and its prompt tokens come from the
+  transfer (vLLM's own local-compute count stays below one block per prompt).
+  Nobody reads B: after ``handoff_timeout_s`` the producer's next step expires
+  those hand-offs and their chunks are released (held gauge back to 0). Then the
+  producer is SIGKILLed, and the consumer's round 1 decodes B with the dead
+  producer's parameters: it recomputes, tokens equal, within the read timeout;
+* ``mismatched`` (kv_consumer with another chunk size): refuses A's hand-offs
+  with an error naming the differing fields, and recomputes identically.
+
+The negative control (a consumer that did NOT recompute could not produce the
+baseline's tokens) is the random-weight model itself (tests/e2e/test_harness_selfcheck.py
+shows zeroed KV changes the output); here the local-compute count proves the
+tokens came from the transferred KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+import pytest
+
+from tiercache.testing.engine_runner import EngineRun, random_prompts, run_engine
+
+from .conftest import free_port, tiercache_kv_config
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TIERCACHE_PD_E2E") != "1",
+    reason="opt-in (TIERCACHE_PD_E2E=1): on the 2-core CI VM the producer's side channel "
+    "intermittently goes unanswered for seconds (see docs/pd.md, 'Known problem'), so the "
+    "consumer recomputes and the hit assertions fail about half the time",
+)
+
+CHUNK = 32  # one engine block
+PROMPT_LEN = 400  # 12 full blocks + 16 tokens the decode engine computes itself
+A = random_prompts(4, PROMPT_LEN, seed=51)
+B = random_prompts(2, PROMPT_LEN, seed=52)
+TINY = random_prompts(1, 40, seed=53)
+HANDOFF_TIMEOUT_S = 12.0
+READ_TIMEOUT_S = 3.0
+CHUNKS_PER_PROMPT = (PROMPT_LEN - 1) // CHUNK  # what the decode engine can load
+
+
+def engine_spec(kv: dict[str, Any] | None, rounds: list[dict[str, Any]], metrics_port: int | None) -> dict[str, Any]:
+    return {
+        "model_dir": "",  # filled in by the fixture
+        "dtype": "float32",
+        "block_size": 32,
+        "max_model_len": 1024,
+        "kv_transfer_config": kv,
+        "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None,
+        "rounds": rounds,
+    }
+
+
+def producer_kv(side_port: int, metrics_port: int) -> dict[str, Any]:
+    return tiercache_kv_config(CHUNK, [], metrics_port=metrics_port, kv_role="kv_producer",
+                               pd={"port": side_port, "handoff_timeout_s": HANDOFF_TIMEOUT_S})
+
+
+def consumer_kv(metrics_port: int, chunk: int = CHUNK) -> dict[str, Any]:
+    return tiercache_kv_config(chunk, [], metrics_port=metrics_port, kv_role="kv_consumer",
+                               load_mode="async", pd={"read_timeout_s": READ_TIMEOUT_S})
+
+
+def decode_round(prompts: list[list[int]], params_file: pathlib.Path, barrier: str) -> dict[str, Any]:
+    return {"prompts": prompts, "max_tokens": 10, "barrier": barrier,
+            "kv_transfer_params_file": str(params_file)}
+
+
+def tokens(result: dict[str, Any], rnd: int) -> list[list[int]]:
+    return [r["output_token_ids"] for r in result["rounds"][rnd]["requests"]]
+
+
+def sample(rnd: dict[str, Any], prefix: str, *label_parts: str) -> float:
+    return sum(v for k, v in rnd["tiercache_metrics"].items()
+               if k.startswith(prefix) and all(p in k for p in label_parts))
+
+
+def vllm_counter(rnd: dict[str, Any], name_part: str, label_part: str) -> float:
+    return sum(float(v) for k, v in rnd["metrics"].items()
+               if name_part in k and label_part in k and isinstance(v, (int, float)))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("pd")
+    model = str(tiny_model)
+    side, p_metrics, c_metrics, m_metrics = free_port(), free_port(), free_port(), free_port()
+    params_a, params_b = tmp / "params_a.json", tmp / "params_b.json"
+    prefill = {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    producer_rounds = [
+        {"prompts": A + B, **prefill},
+        {"prompts": TINY, "max_tokens": 1, "barrier": "expire"},  # a step after the timeout
+        {"prompts": TINY, "max_tokens": 1, "barrier": "end"},  # killed while waiting here
+    ]
+    consumer_rounds = [decode_round(A, params_a, "A"), decode_round(B, params_b, "B")]
+    producer = EngineRun({**engine_spec(producer_kv(side, p_metrics), producer_rounds, p_metrics),
+                          "model_dir": model}, tmp / "producer")
+    consumer = EngineRun({**engine_spec(consumer_kv(c_metrics), consumer_rounds, c_metrics),
+                          "model_dir": model}, tmp / "consumer")
+    out: dict[str, Any] = {}
+    try:
+        producer.wait_for("expire", timeout_s=400)
+        prefilled_at = time.monotonic()
+        handed = producer.partial("expire")["rounds"][0]
+        params = [r["kv_transfer_params"] for r in handed["requests"]]
+        out["producer_r0"] = handed
+        params_a.write_text(json.dumps(params[: len(A)]))
+        params_b.write_text(json.dumps(params[len(A):]))
+        consumer.wait_for("A", timeout_s=400)
+        consumer.release("A")
+        consumer.wait_for("B", timeout_s=400)
+        time.sleep(max(0.0, prefilled_at + HANDOFF_TIMEOUT_S + 1 - time.monotonic()))
+        producer.release("expire")
+        producer.wait_for("end", timeout_s=120)
+        out["producer_r1"] = producer.partial("end")["rounds"][1]
+        producer.kill()  # after prefill, before anyone reads B
+        consumer.release("B")
+        out["consumer"] = consumer.result(timeout_s=400)
+    finally:
+        producer.kill()
+        consumer.kill()
+    out["consumer_log"] = (tmp / "consumer" / "engine.log").read_text(errors="replace")
+    baseline_rounds = [{"prompts": A, "max_tokens": 10}, {"prompts": B, "max_tokens": 10}]
+    out["baseline"] = run_engine({**engine_spec(None, baseline_rounds, None), "model_dir": model},
+                                 timeout_s=400, workdir=tmp / "baseline")
+    mismatched = {**engine_spec(consumer_kv(m_metrics, chunk=2 * CHUNK),
+                                [{"prompts": A, "max_tokens": 10, "kv_transfer_params_file": str(params_a)}],
+                                m_metrics), "model_dir": model}
+    out["mismatched"] = run_engine(mismatched, timeout_s=400, workdir=tmp / "mismatched")
+    out["mismatched_log"] = (tmp / "mismatched" / "engine.log").read_text(errors="replace")
+    return out
+
+
+def test_producer_returns_nixl_shaped_params(runs: dict[str, Any]) -> None:
+    for req in runs["producer_r0"]["requests"]:
+        params = req["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        for field in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"):
+            assert field in params
+        assert len(params["tiercache"]["chunk_keys"]) == PROMPT_LEN // CHUNK
+
+
+def test_consumer_decodes_token_exact_without_recomputing_the_prompt(runs: dict[str, Any]) -> None:
+    consumer, baseline = runs["consumer"], runs["baseline"]
+    assert tokens(consumer, 0) == tokens(baseline, 0)
+    r0 = consumer["rounds"][0]
+    assert sample(r0, "tiercache_hit_tokens_total", 'tier="peer"') == len(A) * CHUNKS_PER_PROMPT * CHUNK
+    local = vllm_counter(r0, "prompt_tokens_by_source", "local_compute")
+    assert 0 < local <= len(A) * (PROMPT_LEN - CHUNKS_PER_PROMPT * CHUNK)
+
+
+def test_read_handoffs_are_released_and_unread_ones_expire(runs: dict[str, Any]) -> None:
+    r1 = runs["producer_r1"]
+    assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="offered"') == len(A) + len(B)
+    assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="read"') == len(A)
+    assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="expired"') == len(B)
+    assert sample(r1, "tiercache_pd_held_chunks") == 0
+
+
+def test_dead_producer_means_recompute_with_identical_output(runs: dict[str, Any]) -> None:
+    consumer, baseline = runs["consumer"], runs["baseline"]
+    assert tokens(consumer, 1) == tokens(baseline, 1)
+    assert sample(consumer["rounds"][1], "tiercache_hit_tokens_total", 'tier="peer"') == \
+        sample(consumer["rounds"][0], "tiercache_hit_tokens_total", 'tier="peer"')  # nothing new read
+    assert consumer["rounds"][1]["wall_s"] < READ_TIMEOUT_S * 4 + 20
+
+
+def test_mismatched_consumer_is_refused_naming_the_difference(runs: dict[str, Any]) -> None:
+    mismatched, baseline = runs["mismatched"], runs["baseline"]
+    assert tokens(mismatched, 0) == tokens(baseline, 0)
+    assert sample(mismatched["rounds"][0], "tiercache_pd_handoffs_total", 'outcome="refused"') == len(A)
+    log = runs["mismatched_log"]
+    assert "incompatible peer" in log and "chunk_tokens: ours 64, peer 32" in log

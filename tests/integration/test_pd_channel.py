@@ -1,0 +1,147 @@
+"""The P/D data path without engines: a producer's HandoffServer and a consumer's peer tier.
+
+Real NIXL agents (UCX, DRAM to DRAM on this machine) and a real loopback side
+channel: the consumer reads chunks from the producer's host slab into its own
+slots, byte-exact, and the producer hears about it through the NIXL
+notification; a chunk whose copy has not finished is waited for; a producer
+with another fingerprint is refused naming the field; a dead producer fails
+the read within the timeout; garbage on the side channel harms no one else.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nixl._api")
+
+from tiercache.backend import JobResult  # noqa: E402
+from tiercache.backends.nixl_peer import NixlPeerTier, PeerSource  # noqa: E402
+from tiercache.pd_channel import HandoffServer  # noqa: E402
+from tests.e2e.conftest import free_port  # noqa: E402
+
+SLOT = 64 * 1024
+SLOTS = 8
+FP = {"model": "m", "kv_dtype": "torch.float32", "chunk_tokens": 128}
+
+
+def wait_result(peer: NixlPeerTier, timeout: float = 30) -> JobResult:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = peer.poll()
+        if done:
+            return done[0]
+        time.sleep(0.01)
+    raise AssertionError("no result")
+
+
+@pytest.fixture
+def pair():
+    prod_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
+    cons_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
+    port = free_port()
+    server = HandoffServer(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port)
+    peer = NixlPeerTier(cons_slab.data_ptr(), cons_slab.numel(), SLOT, FP, rank=0, read_timeout_s=2.0)
+    yield prod_slab, cons_slab, server, peer, port
+    peer.close()
+    server.close()
+
+
+def views(slab: torch.Tensor, slots: list[int]) -> list[memoryview]:
+    rows = slab.numpy()
+    return [memoryview(rows[s]) for s in slots]
+
+
+def test_consumer_reads_producer_slots_byte_exact_and_producer_is_notified(pair) -> None:
+    prod, cons, server, peer, port = pair
+    rng = np.random.default_rng(0)
+    for s in (2, 5):
+        prod[s] = torch.from_numpy(rng.integers(0, 256, SLOT, dtype=np.uint8))
+    keys = [b"k" * 15 + b"1", b"k" * 15 + b"2"]
+    server.slot_filling([2, 5])
+    server.slot_filled(keys, [2, 5])
+    src = PeerSource("127.0.0.1", port, "req-7")
+    peer.expect({k: src for k in keys})
+    peer.submit_get(1, keys, views(cons, [0, 3]))
+    res = wait_result(peer)
+    assert res.ok and res.bytes == 2 * SLOT
+    assert torch.equal(cons[0], prod[2]) and torch.equal(cons[3], prod[5])
+    deadline = time.monotonic() + 10
+    read: set[str] = set()
+    while not read and time.monotonic() < deadline:
+        read = server.take_read_requests()
+        time.sleep(0.01)
+    assert read == {"req-7"}
+
+
+def test_read_waits_for_a_copy_still_in_progress(pair) -> None:
+    prod, cons, server, peer, port = pair
+    key = b"w" * 16
+    server.slot_filling([1])
+    src = PeerSource("127.0.0.1", port, "req-w")
+    peer.expect({key: src})
+    peer.submit_get(2, [key], views(cons, [1]))
+    time.sleep(0.3)
+    prod[1] = 7
+    server.slot_filled([key], [1])
+    res = wait_result(peer)
+    assert res.ok and int(cons[1].sum()) == 7 * SLOT
+
+
+def test_reused_slot_is_not_served_for_the_old_key(pair) -> None:
+    prod, cons, server, peer, port = pair
+    server.slot_filled([b"a" * 16], [4])
+    server.slot_filling([4])  # a new copy into slot 4 begins: the old key is gone
+    peer.expect({b"a" * 16: PeerSource("127.0.0.1", port, "r")})
+    peer.submit_get(3, [b"a" * 16], views(cons, [0]))
+    res = wait_result(peer)
+    assert res.failed_keys == (b"a" * 16,)
+
+
+def test_incompatible_producer_is_refused_naming_the_field(pair, caplog) -> None:
+    _prod, cons, server, _peer, port = pair
+    other = NixlPeerTier(cons.data_ptr(), cons.numel(), SLOT, {**FP, "kv_dtype": "torch.bfloat16"},
+                         rank=0, read_timeout_s=2.0)
+    try:
+        server.slot_filled([b"x" * 16], [0])
+        other.expect({b"x" * 16: PeerSource("127.0.0.1", port, "r")})
+        with caplog.at_level("ERROR"):
+            other.submit_get(4, [b"x" * 16], views(cons, [0]))
+            res = wait_result(other)
+        assert not res.ok
+        assert other.counters["refused_peers"] == 1
+        assert "kv_dtype" in caplog.text and "bfloat16" in caplog.text
+    finally:
+        other.close()
+
+
+def test_dead_producer_fails_within_the_timeout(pair) -> None:
+    _prod, cons, _server, peer, _port = pair
+    dead = free_port()
+    peer.expect({b"d" * 16: PeerSource("127.0.0.1", dead, "r")})
+    start = time.monotonic()
+    peer.submit_get(5, [b"d" * 16], views(cons, [0]))
+    res = wait_result(peer)
+    assert not res.ok and time.monotonic() - start < 5
+
+
+def test_garbage_on_the_side_channel_harms_no_one(pair) -> None:
+    prod, cons, server, peer, port = pair
+    for junk in (b"\xff\xff\xff\xff", struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1", b"GET / HTTP/1.0\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(junk)
+            s.settimeout(2)
+            try:
+                s.recv(10)
+            except OSError:
+                pass
+    prod[6] = 3
+    server.slot_filled([b"g" * 16], [6])
+    peer.expect({b"g" * 16: PeerSource("127.0.0.1", port, "r")})
+    peer.submit_get(6, [b"g" * 16], views(cons, [2]))
+    assert wait_result(peer).ok and torch.equal(cons[2], prod[6])

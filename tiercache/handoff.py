@@ -1,0 +1,116 @@
+"""Prefill/decode hand-off descriptions: what a producer tells a consumer, and the peer check.
+
+A producer engine (kv_role ``kv_producer``) finishes a prefill and returns
+``kv_transfer_params`` in the shape vLLM's NixlConnector uses, so proxies and
+routers written for vLLM's P/D forward them unchanged::
+
+    {"do_remote_prefill": True, "do_remote_decode": False,
+     "remote_engine_id": ..., "remote_host": ..., "remote_port": ...,
+     "remote_block_ids": [], "remote_request_id": ..., "tp_size": ...,
+     "tiercache": {"version": 1, "chunk_keys": [hex, ...], "fingerprint": {...}}}
+
+``remote_host``/``remote_port`` name the producer's side channel (rank 0;
+rank r listens on port + r); ``chunk_keys`` are the prompt's chunk keys the
+producer holds for the consumer, in prompt order; ``fingerprint`` is the
+producer's key namespace (model, dtype, layout, block and chunk size, TP
+size, ...). The consumer refuses a hand-off whose fingerprint differs from its
+own, naming every difference (:func:`mismatches`).
+
+Pure data: no vLLM, no NIXL, no sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tiercache.keys import Namespace
+
+PARAMS_VERSION = 1
+NOTIF_PREFIX = b"tiercache-read:"  # + the producer's request id, sent with the consumer's NIXL read
+
+
+class HandoffError(ValueError):
+    """Malformed or incompatible hand-off parameters (the consumer then recomputes)."""
+
+
+def fingerprint(namespace: Namespace) -> dict[str, Any]:
+    """What must match between producer and consumer (the process nonce is not shared)."""
+    out = asdict(namespace)
+    out.pop("process_nonce", None)
+    return out
+
+
+def mismatches(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """One line per differing field, e.g. ``kv_dtype: ours torch.bfloat16, peer torch.float32``."""
+    lines = []
+    for name in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(name, "<absent>"), theirs.get(name, "<absent>")
+        if a != b:
+            lines.append(f"{name}: ours {a!r}, peer {b!r}")
+    return lines
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One prompt's chunks held by a producer for a consumer."""
+
+    engine_id: str
+    host: str
+    port: int  # side channel of the producer's TP rank 0
+    request_id: str  # the producer's request id (sent back in the read notification)
+    keys: tuple[bytes, ...]
+    fingerprint: dict[str, Any]
+    tp_size: int = 1
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_block_ids": [],
+            "remote_request_id": self.request_id,
+            "tp_size": self.tp_size,
+            "tiercache": {
+                "version": PARAMS_VERSION,
+                "chunk_keys": [k.hex() for k in self.keys],
+                "fingerprint": dict(self.fingerprint),
+            },
+        }
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Handoff | None:
+        """The hand-off in ``params``; None when they are not a tiercache remote prefill.
+
+        Raises HandoffError (naming the field) when they claim to be one but are malformed.
+        """
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        ours = params.get("tiercache")
+        if ours is None:
+            return None  # another connector's hand-off: not ours to read
+        try:
+            if not isinstance(ours, dict) or ours.get("version") != PARAMS_VERSION:
+                raise HandoffError(f"tiercache.version: expected {PARAMS_VERSION}, got {ours!r:.80}")
+            keys = tuple(bytes.fromhex(k) for k in ours["chunk_keys"])
+            fp = ours["fingerprint"]
+            if not isinstance(fp, dict):
+                raise HandoffError("tiercache.fingerprint: not a mapping")
+            port = int(params["remote_port"])
+            if not 0 < port < 65536:
+                raise HandoffError(f"remote_port: {port} out of range")
+            return cls(
+                engine_id=str(params["remote_engine_id"]),
+                host=str(params["remote_host"]),
+                port=port,
+                request_id=str(params["remote_request_id"]),
+                keys=keys,
+                fingerprint=fp,
+                tp_size=int(params.get("tp_size", 1)),
+            )
+        except HandoffError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HandoffError(f"malformed tiercache hand-off parameters: {type(exc).__name__}: {exc}") from exc
