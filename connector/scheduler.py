@@ -32,7 +32,7 @@ from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, rec
 from tiercache.backends.nixl_peer import PEER_TIER, PeerSource
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.connector.pd import PDScheduler, pd_settings
+from tiercache.connector.pd import CONSUMER_ROLES, PDScheduler, pd_settings
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -78,7 +78,7 @@ class TierCacheScheduler:
         host = config.host_tier
         pd = pd_settings(kv_role, config.pd)
         specs = [TierSpec(host.name, geometry.host_slots, host.policy), *lower_tier_specs(config, geometry)]
-        if pd is not None and kv_role in ("kv_consumer", "kv_both"):
+        if pd is not None and kv_role in CONSUMER_ROLES:
             # The producers, seen as one read-only shared tier (what they announced).
             specs.append(TierSpec(PEER_TIER, pd.max_peer_chunks, "lru", "read_only", shared=True))
         self.manager = OffloadingManager(specs)
