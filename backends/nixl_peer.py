@@ -5,20 +5,22 @@ one when its kv_role is ``kv_consumer`` (or ``kv_both`` with a ``pd``
 section) and registers it in TierIO under the tier name ``peer``. The
 scheduler plans a load from this tier like any staged load (producer slot ->
 consumer host slot -> device blocks); the metadata of that step names, per
-key, which producer holds it (:meth:`expect`).
+key, which producer holds it and in which of its host slots (:meth:`expect`).
 
-A get, on this backend's I/O thread, per producer: connect and handshake once
+A get, on this backend's I/O thread, per producer: handshake once
 (:class:`tiercache.pd_channel.PeerLink`; a producer with a different model,
-dtype, layout or chunk size is refused, naming the difference), ask where the
-keys are (waiting up to ``read_timeout_s`` for the producer's copies to
-finish), then one NIXL READ of all of them from the producer's host slab into
-the consumer's host slots, with a notification naming the producer's request
-so it can release the chunks. Anything that goes wrong (dead producer,
-refusal, timeout, a transfer error) fails the keys: the engine recomputes.
+dtype, layout or chunk size is refused, naming the difference), then NIXL
+only: read the slots' tags until they name the keys (the producer's copies
+are complete), one READ of all the chunks into the consumer's host slots,
+the tags again (a slot re-filled meanwhile drops its chunk), and a
+notification naming the producer's request so it releases the chunks.
+Anything that goes wrong (dead producer, refusal, timeout, a transfer error)
+fails the keys: the engine recomputes.
 
-Buffers: the consumer's host slab is registered with this backend's NIXL
-agent once, at construction; views handed to ``submit_get`` lie inside it and
-are written only by the READ of their own job.
+Buffers: the consumer's host slab and a small tag buffer are registered with
+this backend's NIXL agent once, at construction; views handed to
+``submit_get`` lie inside the slab and are written only by the READ of their
+own job.
 
 Threads: submit/poll/expect/close from the worker thread; everything NIXL and
 socket on the one I/O thread.
@@ -38,21 +40,32 @@ import numpy as np
 
 from tiercache.backend import Backend, JobResult
 from tiercache.handoff import NOTIF_PREFIX
-from tiercache.pd_channel import ChannelError, PeerLink, make_agent
+from tiercache.pd_channel import TAG_BYTES, ChannelError, PeerLink, key_tag, make_agent
 
 logger = logging.getLogger(__name__)
 
 PEER_TIER = "peer"
 _HELLO_ATTEMPT_S = 1.0
+_TAG_POLL_S = 0.001
+_POLL_BURST_S = 0.002
+Desc = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
 class PeerSource:
-    """Where one handed-off chunk lives: the producer's side channel and its request."""
+    """Which producer handed a request's chunks off: its side channel and its request id."""
 
     host: str
     port: int
     request_id: str
+
+
+@dataclass(frozen=True)
+class PeerChunk:
+    """One handed-off chunk: its producer and the producer's host slot holding it."""
+
+    source: PeerSource
+    slot: int
 
 
 def _address(view: memoryview) -> int:
@@ -69,26 +82,29 @@ class NixlPeerTier(Backend):
         self.rank = rank
         self.read_timeout_s = read_timeout_s
         self.agent = make_agent("consumer")
-        self._reg = self.agent.register_memory([(slab_addr, slab_bytes, 0, "")], "DRAM")
-        self._sources: dict[bytes, PeerSource] = {}
+        # one tag per chunk of the largest possible job (a job stages into host slots)
+        self._tags = np.zeros(max(1, slab_bytes // chunk_bytes), dtype=np.uint64)
+        self._reg = self.agent.register_memory(
+            [(slab_addr, slab_bytes, 0, ""), (int(self._tags.ctypes.data), self._tags.nbytes, 0, "")], "DRAM")
+        self._chunks: dict[bytes, PeerChunk] = {}
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._refused: dict[tuple[str, int], str] = {}
-        self._jobs: queue.Queue[tuple[int, list[bytes], list[memoryview], dict[bytes, PeerSource]] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[int, list[bytes], list[memoryview], dict[bytes, PeerChunk]] | None] = queue.Queue()
         self._done: list[JobResult] = []
         self._lock = threading.Lock()
         self.counters = {"read_chunks": 0, "read_bytes": 0, "failed_chunks": 0, "refused_peers": 0,
-                         "hello_retries": 0}
+                         "hello_retries": 0, "stale_chunks": 0}
         self._thread = threading.Thread(target=self._run, name="tiercache-pd-reader", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ worker thread
-    def expect(self, sources: dict[bytes, PeerSource]) -> None:
-        """Which producer holds each key the next loads read from this tier."""
-        self._sources.update(sources)
+    def expect(self, chunks: dict[bytes, PeerChunk]) -> None:
+        """Which producer slot holds each key the next loads read from this tier."""
+        self._chunks.update(chunks)
 
     def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
-        sources = {k: self._sources.pop(k) for k in keys if k in self._sources}
-        self._jobs.put((job_id, list(keys), list(views), sources))
+        chunks = {k: self._chunks.pop(k) for k in keys if k in self._chunks}
+        self._jobs.put((job_id, list(keys), list(views), chunks))
 
     def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
         with self._lock:  # a producer is read-only
@@ -105,8 +121,6 @@ class NixlPeerTier(Backend):
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=self.read_timeout_s + 5)
-        for link in self._links.values():
-            link.close()
         try:
             self.agent.deregister_memory(self._reg)
         except Exception:  # noqa: BLE001
@@ -118,16 +132,19 @@ class NixlPeerTier(Backend):
             job = self._jobs.get()
             if job is None:
                 return
-            job_id, keys, views, sources = job
+            job_id, keys, views, chunks = job
             start = time.perf_counter()
             ok: list[bytes] = []
             by_peer: dict[PeerSource, list[int]] = {}
             for i, key in enumerate(keys):
-                src = sources.get(key)
-                if src is not None:
-                    by_peer.setdefault(src, []).append(i)
+                chunk = chunks.get(key)
+                if chunk is not None:
+                    by_peer.setdefault(chunk.source, []).append(i)
             for src, idx in by_peer.items():
-                ok.extend(self._read(src, [keys[i] for i in idx], [views[i] for i in idx]))
+                for lo in range(0, len(idx), len(self._tags)):
+                    part = idx[lo:lo + len(self._tags)]
+                    ok.extend(self._read(src, [keys[i] for i in part], [views[i] for i in part],
+                                         [chunks[keys[i]].slot for i in part]))
             ok_set = set(ok)
             failed = tuple(k for k in keys if k not in ok_set)
             moved = len(ok) * self.chunk_bytes
@@ -150,9 +167,9 @@ class NixlPeerTier(Backend):
     def _connect(self, addr: tuple[str, int]) -> PeerLink:
         """Handshake with a producer, retrying short attempts until ``read_timeout_s``.
 
-        Short attempts: on this VM a loopback connection to a producer inside a
-        vLLM worker process now and then stays unanswered (accepted by the kernel,
-        never seen by the producer's accept loop); a fresh connection gets through.
+        A producer answers between its engine steps, so a handshake that lands
+        in a long forward pass waits for it; a dead producer is retried until
+        the deadline (it may be restarting).
         """
         deadline = time.monotonic() + self.read_timeout_s
         while True:
@@ -167,49 +184,86 @@ class NixlPeerTier(Backend):
                     raise
                 if time.monotonic() >= deadline:
                     raise
-            except OSError as exc:
-                if time.monotonic() >= deadline:
-                    raise ChannelError(f"producer {addr[0]}:{addr[1]}: {exc}") from exc
             self.counters["hello_retries"] += 1
             time.sleep(0.05)
 
-    def _read(self, src: PeerSource, keys: list[bytes], views: list[memoryview]) -> list[bytes]:
-        """NIXL READ of ``keys`` from one producer into ``views``; the keys that arrived."""
+    def _read(self, src: PeerSource, keys: list[bytes], views: list[memoryview], slots: list[int]) -> list[bytes]:
+        """NIXL READ of ``keys`` from one producer's ``slots`` into ``views``; the keys that arrived."""
         start = time.monotonic()
         try:
             link = self._link(src)
-            slots = link.resolve(keys, self.read_timeout_s)
+            if any(not 0 <= s < link.num_slots for s in slots):
+                raise ChannelError(f"producer {link.address}: hand-off names a slot outside its {link.num_slots}")
+            expected = [key_tag(k) for k in keys]
+            ready = self._await_tags(link, slots, expected, start + self.read_timeout_s)
+            if not any(ready):
+                logger.warning("tiercache P/D: %s holds none of %d chunks (released or expired?)",
+                               link.address, len(keys))
+                self._notify(link, src)
+                return []
+            idx = [i for i, r in enumerate(ready) if r]
+            t_tags = time.monotonic()
+            local = [(_address(views[i]), self.chunk_bytes, 0) for i in idx]
+            remote = [(link.slab_addr + slots[i] * link.slot_bytes, self.chunk_bytes, 0) for i in idx]
+            if not self._transfer(link, local, remote, start + self.read_timeout_s):
+                raise ChannelError(f"producer {link.address}: READ failed or timed out")
+            t_data = time.monotonic()
+            still = self._read_tags(link, [slots[i] for i in idx], start + self.read_timeout_s)
+            arrived = [keys[i] for i, tag in zip(idx, still) if tag == expected[i]]
+            self.counters["stale_chunks"] += len(idx) - len(arrived)
+            self._notify(link, src)
+            logger.debug("tiercache P/D: %d chunks from %s: handshake+tags %.1f ms, READ %.1f ms, "
+                         "tags+notify %.1f ms", len(arrived), link.address, (t_tags - start) * 1e3,
+                         (t_data - t_tags) * 1e3, (time.monotonic() - t_data) * 1e3)
+            return arrived
         except (ChannelError, OSError) as exc:
             logger.warning("tiercache P/D: %d chunks from %s:%d not read after %.2fs: %s: %s", len(keys),
                            src.host, src.port, time.monotonic() - start, type(exc).__name__, exc)
             self._drop_link(src)
             return []
-        pairs = [(k, v, s) for k, v, s in zip(keys, views, slots) if s >= 0]
-        if len(pairs) < len(keys):
-            logger.warning("tiercache P/D: %s holds %d of %d chunks (released or expired?)",
-                           link.address, len(pairs), len(keys))
-        if not pairs:
-            return []
-        local = [(_address(v), self.chunk_bytes, 0) for _, v, _ in pairs]
-        remote = [(link.slab_addr + s * link.slot_bytes, self.chunk_bytes, 0) for _, _, s in pairs]
-        if self._transfer(link, local, remote, NOTIF_PREFIX + src.request_id.encode()):
-            return [k for k, _, _ in pairs]
-        self._drop_link(src)
-        return []
 
-    def _transfer(self, link: PeerLink, local: list[tuple[int, int, int]],
-                  remote: list[tuple[int, int, int]], notif: bytes) -> bool:
+    def _await_tags(self, link: PeerLink, slots: list[int], expected: list[int], deadline: float) -> list[bool]:
+        """Per slot: does its tag name the expected key (waiting for copies in flight)."""
+        while True:
+            tags = self._read_tags(link, slots, deadline)
+            ready = [t == e for t, e in zip(tags, expected)]
+            if all(ready) or time.monotonic() >= deadline:
+                return ready
+            time.sleep(_TAG_POLL_S)
+
+    def _read_tags(self, link: PeerLink, slots: list[int], deadline: float) -> list[int]:
+        base = int(self._tags.ctypes.data)
+        local = [(base + i * TAG_BYTES, TAG_BYTES, 0) for i in range(len(slots))]
+        remote = [(link.tags_addr + s * TAG_BYTES, TAG_BYTES, 0) for s in slots]
+        self._tags[: len(slots)] = 0
+        if not self._transfer(link, local, remote, deadline):
+            raise ChannelError(f"producer {link.address}: reading slot tags failed or timed out")
+        return [int(t) for t in self._tags[: len(slots)]]
+
+    def _notify(self, link: PeerLink, src: PeerSource) -> None:
+        """Tell the producer this request's chunks were read (it releases them)."""
+        try:
+            self.agent.send_notif(link.agent_name, NOTIF_PREFIX + src.request_id.encode())
+        except Exception:  # noqa: BLE001 - the hold then expires on the producer
+            logger.warning("tiercache P/D: notifying %s failed", link.address, exc_info=True)
+
+    def _transfer(self, link: PeerLink, local: list[Desc], remote: list[Desc], deadline: float) -> bool:
         agent, handle = self.agent, None
         try:
             handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
-                                           agent.get_xfer_descs(remote, "DRAM"), link.agent_name, notif)
+                                           agent.get_xfer_descs(remote, "DRAM"), link.agent_name)
             state = agent.transfer(handle)
-            deadline = time.monotonic() + self.read_timeout_s
+            yield_at = time.monotonic() + _POLL_BURST_S
             while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     logger.warning("tiercache P/D: READ from %s timed out", link.address)
                     return False  # the handle is released below
-                time.sleep(0)  # let the worker thread run between progress calls
+                if now >= yield_at:
+                    # Poll in bursts: a thread that yields the GIL after every call gets it
+                    # back only every switch interval (5 ms) beside vLLM's spinning worker.
+                    time.sleep(0)
+                    yield_at = time.monotonic() + _POLL_BURST_S
                 state = agent.check_xfer_state(handle)
             return state == "DONE"
         except Exception:  # noqa: BLE001 - a transfer error fails the keys, never the engine
@@ -226,7 +280,6 @@ class NixlPeerTier(Backend):
         addr = (src.host, src.port + self.rank)
         link = self._links.pop(addr, None)
         if link is not None:
-            link.close()
             try:
                 self.agent.remove_remote_agent(link.agent_name)
             except Exception:  # noqa: BLE001

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from tiercache.backends.nixl_peer import PeerSource
+from tiercache.backends.nixl_peer import PeerChunk
 from tiercache.pipeline import DemoteJobSpec
 from tiercache.transfer import TransferJobSpec
 
@@ -32,8 +32,10 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     invalid_block_ids: list[int] = field(default_factory=list)
     demotes: list[DemoteJobSpec] = field(default_factory=list)
     deletes: dict[str, list[bytes]] = field(default_factory=dict)
-    # P/D consumer: which producer holds each key this step loads from the peer tier
-    peer_sources: dict[bytes, PeerSource] = field(default_factory=dict)
+    # P/D consumer: which producer slot holds each key this step loads from the peer tier
+    peer_sources: dict[bytes, PeerChunk] = field(default_factory=dict)
+    # P/D producer: hand-offs are held (the worker keeps its UCX progressed for consumers' READs)
+    handoffs_held: bool = False
 
 
 @dataclass

@@ -9,10 +9,14 @@ offloading (DESIGN.md section 6):
   its prompt chunks through the normal store path into the host tier. When it
   finishes, :meth:`PDScheduler.request_finished` pins (holds) those chunks and
   returns the hand-off parameters (vLLM NixlConnector's shape, see
-  tiercache.handoff). The device blocks are freed at once (mode ``via_host``).
-  A hold ends when the worker reports the consumer's read notification, or
-  after ``pd.handoff_timeout_s`` (expired; counted): the chunks then stay as
-  ordinary, evictable cache.
+  tiercache.handoff), naming the host slot of each chunk. The device blocks
+  are freed at once (mode ``via_host``). A hold ends when the worker reports
+  the consumer's read notification, or after ``pd.handoff_timeout_s``
+  (expired; counted): the chunks then stay as ordinary, evictable cache.
+  While anything is held, :meth:`PDScheduler.has_pending` keeps the engine
+  stepping (vLLM's ``has_pending_push_work``), because the worker serves
+  handshakes and collects notifications between steps (vLLM's NixlConnector
+  keeps its producer stepping the same way, through delayed block frees).
 * **Consumer** (kv_role ``kv_consumer``, or ``kv_both`` with ``pd``): a
   request carrying a tiercache hand-off teaches the manager that the ``peer``
   tier (read-only, shared) holds its chunks, after checking the producer's
@@ -30,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiercache.backends.nixl_peer import PEER_TIER, PeerSource
+from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk, PeerSource
 from tiercache.config import PDConfig
 from tiercache.handoff import Handoff, HandoffError, fingerprint, mismatches
 from tiercache.keys import KeySpace
@@ -71,7 +75,7 @@ class PDScheduler:
         self.tp_size = tp_size
         self.fingerprint = fingerprint(keys.namespace)
         self._holds: dict[str, _Hold] = {}
-        self._sources: dict[bytes, PeerSource] = {}
+        self._sources: dict[bytes, PeerChunk] = {}
         self._asked: set[str] = set()  # consumer requests whose hand-off was looked at
         self.counters: dict[str, int] = {
             "handoffs_offered": 0, "handoffs_read": 0, "handoffs_expired": 0,
@@ -82,6 +86,10 @@ class PDScheduler:
     def held_chunks(self) -> int:
         return sum(len(h.keys) for h in self._holds.values())
 
+    def has_pending(self) -> bool:
+        """Hand-offs are held: the engine must keep stepping to hear of their reads."""
+        return bool(self._holds)
+
     # ------------------------------------------------------------------ producer
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         params = request.kv_transfer_params or {}
@@ -90,12 +98,13 @@ class PDScheduler:
         keys = self.keys.chunk_keys(request.block_hashes)
         prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
         held = self.manager.hold(keys[:prompt_chunks])
+        slots = self.manager.host_slots(held)
         if held:
             self._holds[request.request_id] = _Hold(held, time.monotonic() + self.settings.handoff_timeout_s)
         self.counters["handoffs_offered"] += 1
         return Handoff(
             engine_id=self.engine_id, host=self.settings.host, port=self.settings.port,
-            request_id=request.request_id, keys=tuple(held), fingerprint=self.fingerprint,
+            request_id=request.request_id, keys=tuple(held), slots=tuple(slots), fingerprint=self.fingerprint,
             tp_size=self.tp_size,
         ).to_params()
 
@@ -145,11 +154,11 @@ class PDScheduler:
             return
         src = PeerSource(handoff.host, handoff.port, handoff.request_id)
         self.manager.learn(PEER_TIER, list(handoff.keys))
-        for key in handoff.keys:
-            self._sources[key] = src
+        for key, slot in zip(handoff.keys, handoff.slots):
+            self._sources[key] = PeerChunk(src, slot)
 
-    def sources_for(self, tiers: tuple[str, ...], keys: tuple[bytes, ...]) -> dict[bytes, PeerSource]:
-        """The producers of the keys a load plan reads from the peer tier."""
+    def sources_for(self, tiers: tuple[str, ...], keys: tuple[bytes, ...]) -> dict[bytes, PeerChunk]:
+        """Where the producers hold the keys a load plan reads from the peer tier."""
         return {k: self._sources[k] for k, t in zip(keys, tiers) if t == PEER_TIER and k in self._sources}
 
     def load_finished(self, keys: tuple[bytes, ...], failed: set[bytes]) -> None:

@@ -29,7 +29,7 @@ from tiercache.transfer import TransferJobSpec
 
 from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
 
-from tiercache.backends.nixl_peer import PEER_TIER, PeerSource
+from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PDScheduler, pd_settings
@@ -86,7 +86,7 @@ class TierCacheScheduler:
         if pd is not None:
             self.pd = PDScheduler(pd, kv_role, self.keys, self.manager, geometry.chunk_tokens,
                                   engine_id, geometry.engine.tp_size)
-        self._step_peer_sources: dict[bytes, PeerSource] = {}
+        self._step_peer_sources: dict[bytes, PeerChunk] = {}
         self._chunk_bytes_by_tier = {t.name: geometry.slot_bytes for t in config.tiers}
         self._step_deletes: dict[str, list[bytes]] = {}
         for tier_name, extra in recover_lower_tiers(config, geometry, self.keys.digest, self.manager).items():
@@ -258,6 +258,7 @@ class TierCacheScheduler:
             demotes=demotes,
             deletes=self._step_deletes,
             peer_sources=self._step_peer_sources,
+            handoffs_held=self.has_pending_handoffs(),
         )
         self._step_loads, self._step_staging, self._step_invalid, self._step_deletes = [], {}, [], {}
         self._step_peer_sources = {}
@@ -297,6 +298,10 @@ class TierCacheScheduler:
         """Expire unread hand-offs; publish the P/D counters."""
         assert self.pd is not None
         self.pd.expire()
+        self._publish_pd_metrics()
+
+    def _publish_pd_metrics(self) -> None:
+        assert self.pd is not None
         for name, value in self.pd.counters.items():
             if name.startswith("handoffs_"):
                 outcome = name.removeprefix("handoffs_")
@@ -310,6 +315,7 @@ class TierCacheScheduler:
             return
         if self.pd is not None and worker_meta.handoffs_read:
             self.pd.handoffs_read(worker_meta.handoffs_read)
+            self._publish_pd_metrics()  # the engine may go idle now: no later step would
         for job_id, report in worker_meta.done.items():
             rec = self._jobs.get(job_id)
             if rec is None:
@@ -372,6 +378,10 @@ class TierCacheScheduler:
             self.pd.forget_request(request.request_id)
             return False, self.pd.request_finished(request)
         return False, None
+
+    def has_pending_handoffs(self) -> bool:
+        """P/D producer: hand-offs are held (the engine keeps stepping to hear of their reads)."""
+        return self.pd is not None and self.pd.has_pending()
 
     def take_events(self) -> list[ChunkEvent]:
         return self.manager.take_events()

@@ -197,6 +197,11 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request)
 
+    def has_pending_push_work(self) -> bool:
+        # A P/D producer serves handshakes and read notifications between steps: while
+        # hand-offs are held, the engine must keep stepping even with no request left.
+        return self._scheduler is not None and self._scheduler.has_pending_handoffs()
+
     def take_events(self) -> Iterable["KVCacheEvent"]:
         scheduler = self._s()
         return to_vllm_events(scheduler.take_events(), scheduler.block_size * scheduler.bpc)

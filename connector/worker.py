@@ -35,7 +35,7 @@ from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PRODUCER_ROLES, pd_settings
 from tiercache.handoff import fingerprint
-from tiercache.pd_channel import HandoffServer
+from tiercache.pd_channel import ProducerEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class TierCacheWorker:
         self.kv_role = kv_role
         self.pd = pd_settings(kv_role, config.pd)
         # P/D (see connector/pd.py): the producer's side channel, the consumer's peer tier.
-        self.handoff: HandoffServer | None = None
+        self.handoff: ProducerEndpoint | None = None
         self.peer: NixlPeerTier | None = None
         self._stores: dict[int, TransferJobSpec] = {}
         self._staged_slots: dict[int, list[tuple[bytes, int]]] = {}
@@ -85,7 +85,7 @@ class TierCacheWorker:
             slab = transfer.host.slab
             fp = fingerprint(keyspace.namespace)
             if self.kv_role in PRODUCER_ROLES:
-                self.handoff = HandoffServer(slab.data_ptr(), self.geometry.slot_bytes, self.geometry.host_slots,
+                self.handoff = ProducerEndpoint(slab.data_ptr(), self.geometry.slot_bytes, self.geometry.host_slots,
                                              fp, self.pd.host, self.pd.port + self.rank)
             if self.kv_role in CONSUMER_ROLES:
                 self.peer = NixlPeerTier(slab.data_ptr(), slab.numel(), self.geometry.slot_bytes, fp,
@@ -114,6 +114,8 @@ class TierCacheWorker:
 
     def start_load_kv(self, meta: TierCacheConnectorMetadata) -> None:
         engine = self._engine()
+        if self.handoff is not None:
+            self.handoff.set_holding(meta.handoffs_held)
         self._invalid_blocks.update(meta.invalid_block_ids)
         if self.peer is not None and meta.peer_sources:
             self.peer.expect(meta.peer_sources)
@@ -150,6 +152,10 @@ class TierCacheWorker:
             engine.submit_demote(demote)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self.handoff is not None:
+            # Every step (the engine keeps stepping while hand-offs are held): answer
+            # handshakes, progress UCX for the consumers' READs, hear of finished reads.
+            self._report.handoffs_read |= self.handoff.service()
         if self.engine is not None:
             self._absorb(self.engine.poll())
         recving, self._finished_recving = self._finished_recving, set()
@@ -190,8 +196,6 @@ class TierCacheWorker:
         return invalid
 
     def build_worker_meta(self) -> TierCacheWorkerMetadata | None:
-        if self.handoff is not None:
-            self._report.handoffs_read |= self.handoff.take_read_requests()
         if not self._report.done and not self._report.handoffs_read:
             return None
         report, self._report = self._report, TierCacheWorkerMetadata()

@@ -169,6 +169,14 @@ class LowerTierFlows(_Base):
             held.append(key)
         return held
 
+    def host_slots(self, keys: Sequence[bytes]) -> list[int]:
+        """The host slot of each key (READY or STORING); KeyError for a key it lacks.
+
+        A held key's slot is stable until the hold ends (P/D hand-off params name them).
+        """
+        host = self.host
+        return [host.ready[k] if k in host.ready else host.storing[k] for k in keys]
+
     def shared_tiers(self) -> list[str]:
         return [t.name for t in self.lower if t.spec.shared]
 

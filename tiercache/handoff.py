@@ -6,12 +6,14 @@ routers written for vLLM's P/D forward them unchanged::
 
     {"do_remote_prefill": True, "do_remote_decode": False,
      "remote_engine_id": ..., "remote_host": ..., "remote_port": ...,
-     "remote_block_ids": [], "remote_request_id": ..., "tp_size": ...,
-     "tiercache": {"version": 1, "chunk_keys": [hex, ...], "fingerprint": {...}}}
+     "remote_block_ids": [slot, ...], "remote_request_id": ..., "tp_size": ...,
+     "tiercache": {"version": 2, "chunk_keys": [hex, ...], "fingerprint": {...}}}
 
 ``remote_host``/``remote_port`` name the producer's side channel (rank 0;
 rank r listens on port + r); ``chunk_keys`` are the prompt's chunk keys the
-producer holds for the consumer, in prompt order; ``fingerprint`` is the
+producer holds for the consumer, in prompt order, and ``remote_block_ids``
+the producer's host slot holding each (the consumer READs them directly and
+checks each slot's tag, see tiercache.pd_channel); ``fingerprint`` is the
 producer's key namespace (model, dtype, layout, block and chunk size, TP
 size, ...). The consumer refuses a hand-off whose fingerprint differs from its
 own, naming every difference (:func:`mismatches`).
@@ -26,7 +28,7 @@ from typing import Any
 
 from tiercache.keys import Namespace
 
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2
 NOTIF_PREFIX = b"tiercache-read:"  # + the producer's request id, sent with the consumer's NIXL read
 
 
@@ -60,6 +62,7 @@ class Handoff:
     port: int  # side channel of the producer's TP rank 0
     request_id: str  # the producer's request id (sent back in the read notification)
     keys: tuple[bytes, ...]
+    slots: tuple[int, ...]  # the producer's host slot of each key
     fingerprint: dict[str, Any]
     tp_size: int = 1
 
@@ -70,7 +73,7 @@ class Handoff:
             "remote_engine_id": self.engine_id,
             "remote_host": self.host,
             "remote_port": self.port,
-            "remote_block_ids": [],
+            "remote_block_ids": list(self.slots),
             "remote_request_id": self.request_id,
             "tp_size": self.tp_size,
             "tiercache": {
@@ -95,6 +98,10 @@ class Handoff:
             if not isinstance(ours, dict) or ours.get("version") != PARAMS_VERSION:
                 raise HandoffError(f"tiercache.version: expected {PARAMS_VERSION}, got {ours!r:.80}")
             keys = tuple(bytes.fromhex(k) for k in ours["chunk_keys"])
+            slots = tuple(int(s) for s in params["remote_block_ids"])
+            if len(slots) != len(keys) or any(s < 0 for s in slots):
+                raise HandoffError(f"remote_block_ids: expected {len(keys)} slot numbers >= 0, "
+                                   f"got {list(slots)!r:.80}")
             fp = ours["fingerprint"]
             if not isinstance(fp, dict):
                 raise HandoffError("tiercache.fingerprint: not a mapping")
@@ -107,6 +114,7 @@ class Handoff:
                 port=port,
                 request_id=str(params["remote_request_id"]),
                 keys=keys,
+                slots=slots,
                 fingerprint=fp,
                 tp_size=int(params.get("tp_size", 1)),
             )

@@ -1,40 +1,58 @@
-"""The P/D side channel: a producer worker's TCP service, and a consumer's link to it.
+"""The P/D side channel and slot tags: a producer worker's endpoint, a consumer's link to it.
 
 Control only; the KV bytes move by NIXL (UCX) READs that the consumer issues
 into its own registered host slab, straight from the producer's registered
-host slab. Messages are msgpack maps framed by a 4-byte big-endian length,
-bounded by ``MAX_MESSAGE_BYTES``; anything else closes the connection.
+host slab. The side channel carries one exchange per consumer and producer
+rank (the handshake); after it, a hand-off is NIXL only, because the
+hand-off params name the producer's host slots (``remote_block_ids``).
+
+Messages are msgpack maps framed by a 4-byte big-endian length, bounded by
+``MAX_MESSAGE_BYTES``; anything else closes that connection only::
 
     consumer -> producer                       producer -> consumer
     {"op": "hello", "fingerprint": {...}}      {"ok": true, "agent": name, "metadata": bytes,
                                                 "fingerprint": {...}, "slab_addr": int,
-                                                "slot_bytes": int, "num_slots": int}
+                                                "slot_bytes": int, "num_slots": int,
+                                                "tags_addr": int}
                                                or {"ok": false, "error": "..."}
-    {"op": "resolve", "keys": [bytes],         {"ok": true, "slots": [slot or -1 per key]}
-     "wait_s": float}                          (waits until every key's copy into the host
-                                                tier has finished, or wait_s passed)
 
 The producer refuses a consumer whose fingerprint differs (naming the
 fields), and so does the consumer (it checks the producer's answer too).
 
-:class:`HandoffServer` (producer worker): owns a NIXL agent with the host slab
-registered once, a listening socket (one thread per connection) and a thread
-that collects NIXL notifications ("this request's chunks were read"). The
-worker tells it which key each host slot holds (:meth:`slot_filling` when a
-copy into a slot starts, :meth:`slot_filled` when it is done), so ``resolve``
-answers only with slots whose bytes are complete.
+**Slot tags** guard against reading a slot that no longer holds the handed-off
+chunk (a copy still in flight, or a hand-off that expired and whose slot was
+reused). Beside its slab the producer registers one 64-bit tag per slot: 0
+while a copy into the slot runs, :func:`key_tag` of the chunk once the copy is
+complete. The consumer reads the tags (waiting for them to match), the
+chunks, then the tags again: a chunk whose tag changed meanwhile is dropped
+and recomputed. Same key means same bytes, so a slot re-filled with the same
+chunk reads correctly either way.
 
-:class:`PeerLink` (consumer worker): one connection to one producer rank, its
+:class:`ProducerEndpoint` (producer worker): the worker calls
+:meth:`ProducerEndpoint.service` every engine step (the engine keeps stepping
+while hand-offs are held, see connector/pd.py), which answers waiting
+handshakes and collects the consumers' read notifications. A consumer's READ
+moves only while the producer's UCX worker is progressed (NIXL's UCX backend
+runs over tcp here: its shared-memory transports lack the peer-failure
+handling NIXL asks for). NIXL's own progress thread spins a whole core even
+when idle, so instead, while hand-offs are held (:meth:`set_holding`), a
+small thread progresses UCX every ``PROGRESS_INTERVAL_S``; with nothing held
+it sleeps. Measured on the 2-core VM: a 15.5 MiB READ took 90-200 ms with
+progress once per step, 2 ms with continuous progress.
+
+:class:`PeerLink` (consumer): one handshake with one producer rank, its
 agent loaded into the consumer's agent.
 
-Threads: HandoffServer's state is guarded by its condition variable; the NIXL
-agent calls are serialised by ``agent_lock`` (the agent is not thread-safe).
+Threads: every ProducerEndpoint method on the worker thread only, except
+the progress thread's loop; the NIXL agent's notification calls are
+serialised by ``_agent_lock``, the collected ids by ``_read_lock``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
@@ -43,24 +61,38 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from tiercache.handoff import NOTIF_PREFIX, mismatches
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 << 20
+MAX_CONNECTIONS = 256
+TAG_BYTES = 8
 _LEN = struct.Struct(">I")
-_ACCEPT_POLL_S = 0.005
-_NOTIF_POLL_S = 0.002
+_RECV_BYTES = 64 * 1024
+_REPLY_TIMEOUT_S = 2.0
+PROGRESS_INTERVAL_S = 0.0002  # pause between progress bursts while hand-offs are held
+PROGRESS_BURST_S = 0.002  # one burst of back-to-back UCX progress calls
 
 
 class ChannelError(ConnectionError):
     """The side channel failed: unreachable peer, malformed message, refused hello."""
 
 
-def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
+def key_tag(key: bytes) -> int:
+    """The slot tag of a chunk key (never 0: 0 means "being written")."""
+    return int.from_bytes(key[:TAG_BYTES].ljust(TAG_BYTES, b"\0"), "little") or 1
+
+
+def encode_message(message: dict[str, Any]) -> bytes:
     body = msgspec.msgpack.encode(message)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    return _LEN.pack(len(body)) + body
+
+
+def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(encode_message(message))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -73,12 +105,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_message(sock: socket.socket) -> dict[str, Any]:
-    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if size > MAX_MESSAGE_BYTES:
-        raise ChannelError(f"side-channel message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+def decode_body(body: bytes) -> dict[str, Any]:
     try:
-        message = msgspec.msgpack.decode(_recv_exact(sock, size))
+        message = msgspec.msgpack.decode(body)
     except msgspec.DecodeError as exc:
         raise ChannelError(f"malformed side-channel message: {exc}") from exc
     if not isinstance(message, dict):
@@ -86,212 +115,222 @@ def recv_message(sock: socket.socket) -> dict[str, Any]:
     return message
 
 
-def make_agent(role: str, progress_thread: bool = False) -> Any:
-    """A NIXL agent with the UCX backend.
+def recv_message(sock: socket.socket) -> dict[str, Any]:
+    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if size > MAX_MESSAGE_BYTES:
+        raise ChannelError(f"side-channel message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return decode_body(_recv_exact(sock, size))
 
-    ``progress_thread``: NIXL's own (C++) thread progresses UCX; it busy-polls a
-    core. Off by default: the producer progresses UCX from its notification
-    thread instead (a consumer's READ completes only while the producer's UCX
-    worker is progressed; measured: with neither, every READ timed out). With
-    the progress thread on, the side channel's accept thread starved outright
-    on this 2-core VM (4 of 4 probe runs), see docs/pd.md.
+
+def make_agent(role: str) -> Any:
+    """A NIXL agent with the UCX backend and no progress thread.
+
+    NIXL's progress thread busy-polls a core (its Python API sets no delay); on
+    a 2-core machine beside two engines that starves everything else. The
+    producer's UCX worker is progressed by :meth:`ProducerEndpoint.service`
+    each step instead, the consumer's by its reader thread while it waits.
     """
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(f"tiercache-{role}-{os.getpid()}-{os.urandom(3).hex()}",
-                      nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread))
+                      nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
 
 
-class HandoffServer:
-    """Producer worker: serves hellos and resolves, collects read notifications."""
+class ProducerEndpoint:
+    """Producer worker: NIXL-registered slab and slot tags, handshakes, read notifications."""
 
     def __init__(self, slab_addr: int, slot_bytes: int, num_slots: int,
                  fingerprint: dict[str, Any], host: str, port: int) -> None:
         self.slab_addr, self.slot_bytes, self.num_slots = slab_addr, slot_bytes, num_slots
         self.fingerprint = fingerprint
+        self.tags = np.zeros(num_slots, dtype=np.uint64)  # written by this worker thread only
         self.agent = make_agent("producer")
-        self.agent_lock = threading.Lock()
-        self._reg = self.agent.register_memory([(slab_addr, slot_bytes * num_slots, 0, "")], "DRAM")
-        self.agent_name = self.agent.name
+        self._reg = self.agent.register_memory(
+            [(slab_addr, slot_bytes * num_slots, 0, ""), (int(self.tags.ctypes.data), self.tags.nbytes, 0, "")],
+            "DRAM")
+        self.agent_name: str = self.agent.name
         self.metadata: bytes = self.agent.get_agent_metadata()
-        self._cond = threading.Condition()
-        self._slot_of: dict[bytes, int] = {}  # key -> slot whose bytes are complete
-        self._key_in: dict[int, bytes] = {}  # slot -> the key it holds
-        self._read: set[str] = set()  # producer request ids whose hand-off was read
-        self._closed = False
-        self._sock = socket.create_server((host, port), reuse_port=False)
-        self._sock.setblocking(False)
+        self._listener = socket.create_server((host, port))
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._inbox: dict[socket.socket, bytearray] = {}
         self.address = f"{host}:{port}"
-        self._threads = [
-            threading.Thread(target=self._accept_loop, name="tiercache-pd-accept", daemon=True),
-            threading.Thread(target=self._notif_loop, name="tiercache-pd-notifs", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self.counters = {"hellos": 0, "refused": 0, "bad_messages": 0}
+        self._agent_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._read: set[str] = set()
+        self._holding = threading.Event()
+        self._closed = False
+        self._progress = threading.Thread(target=self._progress_loop, name="tiercache-pd-progress", daemon=True)
+        self._progress.start()
         logger.info("tiercache P/D producer: side channel on %s, NIXL agent %s", self.address, self.agent_name)
 
-    # -------------------------------------------------------- worker thread
+    # -------------------------------------------------------------- slot tags
     def slot_filling(self, slots: Sequence[int]) -> None:
         """Copies into ``slots`` start: whatever they held is no longer readable."""
-        with self._cond:
-            for slot in slots:
-                old = self._key_in.pop(slot, None)
-                if old is not None and self._slot_of.get(old) == slot:
-                    del self._slot_of[old]
+        for slot in slots:
+            self.tags[slot] = 0
 
     def slot_filled(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """The copies of ``keys`` into ``slots`` finished: they may be read."""
-        with self._cond:
-            for key, slot in zip(keys, slots):
-                self._slot_of[key] = slot
-                self._key_in[slot] = key
-            self._cond.notify_all()
+        for key, slot in zip(keys, slots):
+            self.tags[slot] = key_tag(key)
 
-    def take_read_requests(self) -> set[str]:
-        """Producer request ids whose hand-off a consumer finished reading (drained)."""
-        with self._cond:
+    # ------------------------------------------------------------- each step
+    def set_holding(self, holding: bool) -> None:
+        """Hand-offs are held (consumers may READ now): keep the producer's UCX progressed."""
+        if holding:
+            self._holding.set()
+        else:
+            self._holding.clear()
+
+    def service(self) -> set[str]:
+        """Answer waiting handshakes, progress UCX; the producer request ids read since last time."""
+        for sel_key, _ in self._selector.select(timeout=0):
+            if sel_key.fileobj is self._listener:
+                self._accept()
+            else:
+                self._receive(sel_key.fileobj)  # type: ignore[arg-type]
+        self._collect_notifs()
+        with self._read_lock:
             out, self._read = self._read, set()
         return out
 
-    # ------------------------------------------------------ service threads
-    def _accept_loop(self) -> None:
+    def _progress_loop(self) -> None:
         while not self._closed:
-            # Non-blocking accept, tried every few milliseconds: waiting in poll()/accept()
-            # for the wake-up missed connections for seconds on this VM's network stack
-            # (the kernel had them queued while poll() kept reporting nothing).
-            try:
-                conn, _ = self._sock.accept()
-            except BlockingIOError:
-                time.sleep(_ACCEPT_POLL_S)
+            if not self._holding.wait(timeout=0.5):
                 continue
-            except OSError:
-                return
-            conn.setblocking(True)
-            threading.Thread(target=self._serve, args=(conn,), name="tiercache-pd-conn", daemon=True).start()
+            # Progress in bursts: a thread that gives up the GIL after every call gets it
+            # back only every switch interval (5 ms) beside the worker's spinning loop.
+            burst_end = time.monotonic() + PROGRESS_BURST_S
+            while time.monotonic() < burst_end:
+                self._collect_notifs()
+            time.sleep(PROGRESS_INTERVAL_S)
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(300)
+    def _accept(self) -> None:
+        while True:
             try:
-                while not self._closed:
-                    send_message(conn, self._answer(recv_message(conn)))
-            except (ChannelError, OSError):
-                return  # the consumer left or spoke nonsense: only this connection ends
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                logger.warning("tiercache P/D: accept on %s failed", self.address, exc_info=True)
+                return
+            if len(self._inbox) >= MAX_CONNECTIONS:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._inbox[conn] = bytearray()
+            self._selector.register(conn, selectors.EVENT_READ, None)
+
+    def _receive(self, conn: socket.socket) -> None:
+        buf = self._inbox[conn]
+        try:
+            part = conn.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            part = b""
+        if not part:
+            self._drop(conn)
+            return
+        buf += part
+        try:
+            while len(buf) >= _LEN.size:
+                (size,) = _LEN.unpack_from(buf)
+                if size > MAX_MESSAGE_BYTES:
+                    raise ChannelError(f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+                if len(buf) < _LEN.size + size:
+                    return
+                body = bytes(buf[_LEN.size:_LEN.size + size])
+                del buf[:_LEN.size + size]
+                reply = encode_message(self._answer(decode_body(body)))
+                conn.settimeout(_REPLY_TIMEOUT_S)  # a few KiB: fits the socket buffer at once
+                conn.sendall(reply)
+                conn.setblocking(False)
+        except (ChannelError, OSError) as exc:
+            self.counters["bad_messages"] += 1
+            logger.warning("tiercache P/D: side channel %s: dropping a connection: %s", self.address, exc)
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._inbox.pop(conn, None)
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
 
     def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
         op = message.get("op")
-        if op == "hello":
-            theirs = message.get("fingerprint")
-            diff = mismatches(self.fingerprint, theirs if isinstance(theirs, dict) else {})
-            if diff:
-                return {"ok": False, "error": "incompatible peer: " + "; ".join(diff)}
-            return {"ok": True, "agent": self.agent_name, "metadata": self.metadata,
-                    "fingerprint": self.fingerprint, "slab_addr": self.slab_addr,
-                    "slot_bytes": self.slot_bytes, "num_slots": self.num_slots}
-        if op == "resolve":
-            keys = message.get("keys")
-            if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
-                return {"ok": False, "error": "resolve: keys must be a list of bytes"}
-            wait_s = min(float(message.get("wait_s", 0) or 0), 60.0)
-            return {"ok": True, "slots": self._resolve(keys, wait_s)}
-        return {"ok": False, "error": f"unknown op {op!r}"}
-
-    def _resolve(self, keys: list[bytes], wait_s: float) -> list[int]:
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            while True:
-                slots = [self._slot_of.get(k, -1) for k in keys]
-                left = deadline - time.monotonic()
-                if -1 not in slots or left <= 0 or self._closed:
-                    return slots
-                self._cond.wait(min(left, 0.05))
-
-    def _notif_loop(self) -> None:
-        """Collect read notifications; each call also progresses the producer's UCX worker."""
-        while not self._closed:
-            self._collect_notifs()
-            time.sleep(_NOTIF_POLL_S)
+        if op != "hello":
+            return {"ok": False, "error": f"unknown op {op!r}"}
+        theirs = message.get("fingerprint")
+        diff = mismatches(self.fingerprint, theirs if isinstance(theirs, dict) else {})
+        if diff:
+            self.counters["refused"] += 1
+            return {"ok": False, "error": "incompatible peer: " + "; ".join(diff)}
+        self.counters["hellos"] += 1
+        return {"ok": True, "agent": self.agent_name, "metadata": self.metadata,
+                "fingerprint": self.fingerprint, "slab_addr": self.slab_addr,
+                "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
+                "tags_addr": int(self.tags.ctypes.data)}
 
     def _collect_notifs(self) -> None:
         try:
-            with self.agent_lock:
-                notifs = self.agent.get_new_notifs()
+            with self._agent_lock:
+                notifs = self.agent.get_new_notifs()  # also progresses this agent's UCX worker
         except Exception:  # noqa: BLE001 - a NIXL hiccup must not end the producer
             logger.warning("tiercache P/D: reading NIXL notifications failed", exc_info=True)
             return
-        done = [m[len(NOTIF_PREFIX):].decode(errors="replace")
-                for msgs in notifs.values() for m in msgs if m.startswith(NOTIF_PREFIX)]
+        done = {m[len(NOTIF_PREFIX):].decode(errors="replace")
+                for msgs in notifs.values() for m in msgs if m.startswith(NOTIF_PREFIX)}
         if done:
-            with self._cond:
-                self._read.update(done)
+            with self._read_lock:
+                self._read |= done
 
     def close(self) -> None:
         self._closed = True
+        self._holding.set()
+        self._progress.join(timeout=2)
+        for conn in list(self._inbox):
+            self._drop(conn)
+        self._selector.close()
+        self._listener.close()
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        for t in self._threads:
-            t.join(timeout=2)
-        with self.agent_lock:
-            try:
-                self.agent.deregister_memory(self._reg)
-            except Exception:  # noqa: BLE001
-                logger.debug("tiercache P/D: deregistering the slab failed", exc_info=True)
+            self.agent.deregister_memory(self._reg)
+        except Exception:  # noqa: BLE001
+            logger.debug("tiercache P/D: deregistering the slab failed", exc_info=True)
 
 
 class PeerLink:
-    """Consumer worker: one connection to one producer rank (handshake done)."""
+    """Consumer: the handshake with one producer rank (its agent added to ours)."""
 
     def __init__(self, host: str, port: int, fingerprint: dict[str, Any], agent: Any, timeout_s: float) -> None:
         self.address = f"{host}:{port}"
         try:
-            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+            sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
             raise ChannelError(f"producer {self.address} unreachable: {exc}") from exc
-        self.sock.settimeout(timeout_s)
-        self.timeout_s = timeout_s
+        with sock:
+            try:
+                send_message(sock, {"op": "hello", "fingerprint": fingerprint})
+                reply = recv_message(sock)
+            except OSError as exc:
+                raise ChannelError(f"producer {self.address}: hello: {exc}") from exc
+        if not reply.get("ok"):
+            raise ChannelError(f"producer {self.address} refused us: {reply.get('error')}")
+        diff = mismatches(fingerprint, reply.get("fingerprint") or {})
+        if diff:
+            raise ChannelError(f"producer {self.address} is incompatible: " + "; ".join(diff))
         try:
-            send_message(self.sock, {"op": "hello", "fingerprint": fingerprint})
-            reply = recv_message(self.sock)
-            if not reply.get("ok"):
-                raise ChannelError(f"producer {self.address} refused us: {reply.get('error')}")
-            diff = mismatches(fingerprint, reply.get("fingerprint") or {})
-            if diff:
-                raise ChannelError(f"producer {self.address} is incompatible: " + "; ".join(diff))
             self.slab_addr = int(reply["slab_addr"])
             self.slot_bytes = int(reply["slot_bytes"])
             self.num_slots = int(reply["num_slots"])
-            name = agent.add_remote_agent(reply["metadata"])
-            self.agent_name = name.decode() if isinstance(name, bytes) else str(name)
-        except OSError as exc:
-            self.sock.close()
-            raise ChannelError(f"producer {self.address}: hello: {exc}") from exc
-        except Exception:
-            self.sock.close()
-            raise
-
-    def resolve(self, keys: Sequence[bytes], wait_s: float) -> list[int]:
-        """Slots of ``keys`` on the producer (-1: not there, or not complete within wait_s)."""
-        try:
-            self.sock.settimeout(wait_s + self.timeout_s + 5)
-            send_message(self.sock, {"op": "resolve", "keys": list(keys), "wait_s": wait_s})
-            reply = recv_message(self.sock)
-        except OSError as exc:
-            raise ChannelError(f"producer {self.address}: {exc}") from exc
-        if not reply.get("ok"):
-            raise ChannelError(f"producer {self.address}: {reply.get('error')}")
-        slots = [int(s) for s in reply["slots"]]
-        if len(slots) != len(keys) or any(s >= self.num_slots for s in slots):
-            raise ChannelError(f"producer {self.address}: malformed resolve answer")
-        return slots
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+            self.tags_addr = int(reply["tags_addr"])
+            metadata = reply["metadata"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ChannelError(f"producer {self.address}: malformed hello answer: {exc!r}") from exc
+        name = agent.add_remote_agent(metadata)
+        self.agent_name = name.decode() if isinstance(name, bytes) else str(name)

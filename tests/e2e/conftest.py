@@ -7,12 +7,11 @@ timeout; nothing here imports vLLM into the pytest process.
 from __future__ import annotations
 
 import pathlib
-import random
-import socket
 from typing import Any
 
 import pytest
 
+from tiercache.testing.ports import free_port  # noqa: F401 - tests import it from here
 from tiercache.testing.random_llama import make_model_dir
 
 
@@ -30,20 +29,6 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def tiny_model(models_root: pathlib.Path) -> pathlib.Path:
     return make_model_dir("tiny", models_root)
-
-
-def free_port() -> int:
-    """A free TCP port below the ephemeral range (vLLM's own ZMQ sockets live there)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randint(20000, 30000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-30000")
 
 
 def tiercache_kv_config(

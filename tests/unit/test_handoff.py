@@ -15,8 +15,9 @@ def key(i: int) -> bytes:
 
 
 def test_params_round_trip_in_nixl_connector_shape() -> None:
-    h = Handoff("eng", "127.0.0.1", 5700, "req-1", (key(1), key(2)), FP)
+    h = Handoff("eng", "127.0.0.1", 5700, "req-1", (key(1), key(2)), (7, 3), FP)
     params = h.to_params()
+    assert params["remote_block_ids"] == [7, 3]  # the producer's host slots
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert {"remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"} <= set(params)
     assert Handoff.from_params(params) == h
@@ -25,13 +26,17 @@ def test_params_round_trip_in_nixl_connector_shape() -> None:
 def test_other_connectors_params_are_not_ours_and_malformed_ones_are_named() -> None:
     assert Handoff.from_params({"do_remote_decode": True}) is None
     assert Handoff.from_params({"do_remote_prefill": True, "remote_block_ids": [1]}) is None
-    bad = Handoff("e", "h", 1, "r", (key(1),), FP).to_params()
+    bad = Handoff("e", "h", 1, "r", (key(1),), (0,), FP).to_params()
     bad["remote_port"] = 70000
     with pytest.raises(HandoffError, match="remote_port"):
         Handoff.from_params(bad)
-    bad = Handoff("e", "h", 1, "r", (key(1),), FP).to_params()
+    bad = Handoff("e", "h", 1, "r", (key(1),), (0,), FP).to_params()
     bad["tiercache"]["chunk_keys"] = ["zz"]
     with pytest.raises(HandoffError, match="malformed"):
+        Handoff.from_params(bad)
+    bad = Handoff("e", "h", 1, "r", (key(1),), (0,), FP).to_params()
+    bad["remote_block_ids"] = [0, 1]  # one slot per chunk key
+    with pytest.raises(HandoffError, match="remote_block_ids"):
         Handoff.from_params(bad)
 
 
@@ -46,7 +51,10 @@ def test_held_chunks_survive_eviction_until_released() -> None:
     plan = m.prepare_store([key(1), key(2)])
     assert plan is not None
     assert m.hold([key(1), key(2), key(3)]) == [key(1), key(2)]  # a prefix: stops at the first missing
+    storing_slots = m.host_slots([key(1), key(2)])
+    assert storing_slots == list(plan.slots)  # the slots the hand-off params will name
     m.complete_store([key(1), key(2)])
+    assert m.host_slots([key(1), key(2)]) == storing_slots  # stable while held
     assert m.prepare_store([key(3)]) is None  # both slots held: nothing evictable
     m.complete_load([key(1), key(2)])  # released (read or expired)
     assert m.prepare_store([key(3)]) is not None

