@@ -11,20 +11,24 @@ The same two-engine setup for each connector, on loopback, in one run:
   plus the prompt's last tokens. It also prefills fresh prompts of the same
   lengths itself ("recompute", for reference).
 
-Reported per prompt length: decode-side TTFT (median) for both connectors and
+Reported per prompt length: decode-side TTFT (median) for each connector and
 the ratio tiercache / NixlConnector (target <= 1.0); the KV transfer
-throughput of each (bytes moved / time the transfers took, from each
-connector's own metrics: ``tiercache_transfer_*{path="host_to_device"}`` (a staged load: the NIXL READ
-plus the copy into the blocks) and
-``vllm:nixl_bytes_transferred`` / ``vllm:nixl_xfer_time_seconds``) next to raw
-NIXL UCX measured in the same run (READs of a hand-off's size, chunk-sized
-descriptors, between two processes), as a ratio (target >= 0.8). The
-consumer's first token must equal the producer's (greedy): a mismatch is
+throughput of each (bytes moved / time the load jobs took, from each
+connector's own metrics: ``tiercache_transfer_*{path="host_to_device"}`` (the
+whole load job: tag checks, the NIXL READ and, in via_host, the copy into the
+blocks) and ``vllm:nixl_bytes_transferred`` / ``vllm:nixl_xfer_time_seconds``)
+next to raw NIXL UCX measured in the same run (READs of a hand-off's size,
+chunk-sized descriptors, between two processes), as a ratio (target >= 0.8).
+Raw NIXL is measured twice: with UCX's peer-failure handling (NIXL's default,
+what NixlConnector runs; tcp on one host) and with error handling ``none``
+(what tiercache runs by default; UCX may then use one-sided CMA/shared memory).
+The consumer's first token must equal the producer's (greedy): a mismatch is
 printed and fails the run.
 
-tiercache runs in mode via_host with ``chunk_tokens`` = the engine block size;
-NixlConnector with ``kv_buffer_device: cpu`` (its only choice on the CPU
-platform). Results go to bench/results/pd.json.
+Kinds: ``tiercache`` (mode via_host), ``tiercache-direct`` (mode direct), both
+with ``chunk_tokens`` = the engine block size; ``nixl``: NixlConnector with
+``kv_buffer_device: cpu`` (its only choice on the CPU platform). Results go to
+bench/results/pd.json.
 
     python bench/pd.py                          # heavy model, prompts of 1024 and 2048 tokens
     python bench/pd.py --model tiny --lengths 512 --prompts 2     # a quick look
@@ -52,7 +56,8 @@ from tiercache.testing.engine_runner import EngineRun, random_prompts  # noqa: E
 from tiercache.testing.ports import free_port  # noqa: E402
 from tiercache.testing.random_llama import make_model_dir  # noqa: E402
 
-KINDS = ("tiercache", "nixl")
+KINDS = ("tiercache", "tiercache-direct", "nixl")
+ERROR_MODES = ("peer", "none")
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 PRODUCER_CPU, CONSUMER_CPU = "0", "1"
@@ -68,9 +73,11 @@ def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, me
         "metrics": {"port": metrics_port},
     }
     if role == "producer":
-        extra["pd"] = {"port": side_port, "handoff_timeout_s": args.timeout}
+        mode = "direct" if kind == "tiercache-direct" else "via_host"
+        extra["pd"] = {"port": side_port, "handoff_timeout_s": args.timeout, "mode": mode}
     else:
-        extra["pd"] = {"read_timeout_s": 30}
+        # a pure decode engine, like NixlConnector's: what arrives is not copied again into the host tier
+        extra["pd"] = {"read_timeout_s": 30, "keep_received": False}
         extra["load_mode"] = "async"
     return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
             "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
@@ -88,7 +95,7 @@ def engine_spec(kind: str, role: str, model: Path, args: argparse.Namespace, sid
         "model_dir": str(model), "dtype": args.dtype, "block_size": args.block_size,
         "max_model_len": max(args.lengths) + 64, "max_num_batched_tokens": max(args.lengths) + 64,
         "kv_transfer_config": kv_config(kind, role, args, side_port, metrics_port),
-        "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if kind == "tiercache" else None,
+        "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if kind != "nixl" else None,
         "env": env, "rounds": rounds,
     }
 
@@ -168,7 +175,7 @@ def metric_sum(samples: dict[str, Any], name: str, *label_parts: str) -> float:
 def transfer_gbps(kind: str, pair: dict[str, Any]) -> tuple[float | None, float]:
     """(GB/s of the consumer's KV transfers, bytes moved), from the connector's own metrics."""
     last = pair["consumer"]["rounds"][-1]
-    if kind == "tiercache":
+    if kind != "nixl":
         samples = last.get("tiercache_metrics") or {}
         moved = metric_sum(samples, "tiercache_transfer_bytes_total", 'path="host_to_device"')
         secs = metric_sum(samples, "tiercache_transfer_seconds_sum", 'path="host_to_device"')
@@ -180,11 +187,17 @@ def transfer_gbps(kind: str, pair: dict[str, Any]) -> tuple[float | None, float]
 
 
 # ---------------------------------------------------------------------------- raw NIXL
-def _raw_target(conn: Any, nbytes: int) -> None:
-    """Child process: a NIXL agent with ``nbytes`` registered; progresses until told to stop."""
+def _raw_agent(name: str, error_handling: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent("bench-pd-raw-target", nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling})
+    return agent
+
+
+def _raw_target(conn: Any, nbytes: int, error_handling: str) -> None:
+    """Child process: a NIXL agent with ``nbytes`` registered; progresses until told to stop."""
+    agent = _raw_agent("bench-pd-raw-target", error_handling)
     buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), int(buf.ctypes.data)))
@@ -193,17 +206,15 @@ def _raw_target(conn: Any, nbytes: int) -> None:
     conn.recv()
 
 
-def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float) -> float:
+def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float, error_handling: str) -> float:
     """Raw NIXL UCX: READs of ``chunks`` x ``chunk_bytes`` from another process, back to back."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_raw_target, args=(child, chunk_bytes * chunks), daemon=True)
+    proc = ctx.Process(target=_raw_target, args=(child, chunk_bytes * chunks, error_handling), daemon=True)
     proc.start()
     try:
         metadata, remote_addr = parent.recv()
-        agent = nixl_agent("bench-pd-raw-reader", nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+        agent = _raw_agent("bench-pd-raw-reader", error_handling)
         local = np.zeros(chunk_bytes * chunks, dtype=np.uint8)
         agent.register_memory([(int(local.ctypes.data), local.nbytes, 0, "")], "DRAM")
         peer = agent.add_remote_agent(metadata)
@@ -260,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
 
     chunk_bytes = kv_bytes_per_token(model, args.dtype) * args.block_size
     raw_chunks = (max(args.lengths) - 1) // args.block_size
-    raw = raw_nixl_gbps(chunk_bytes, raw_chunks, args.raw_seconds)
+    raws = {mode: raw_nixl_gbps(chunk_bytes, raw_chunks, args.raw_seconds, mode)
+            for mode in tqdm(ERROR_MODES, desc="raw NIXL", unit="mode")}
 
     rows: list[dict[str, Any]] = []
     table: list[list[Any]] = []
@@ -273,23 +285,29 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{kind}_tokens_match"] = first_tokens_match(pairs[kind], n)
             if not row[f"{kind}_tokens_match"]:
                 mismatched.append(f"{kind} @ {n}")
-        if "tiercache" in pairs and "nixl" in pairs:
-            row["ttft_ratio_tiercache_vs_nixl"] = row["tiercache_ttft_s"] / row["nixl_ttft_s"]
+        ours = [k for k in pairs if k != "nixl"]
+        if "nixl" in pairs:
+            for k in ours:
+                row[f"ttft_ratio_{k}_vs_nixl"] = row[f"{k}_ttft_s"] / row["nixl_ttft_s"]
         rows.append(row)
         table.append([n] + [f"{row[f'{k}_ttft_s'] * 1e3:.1f}" for k in pairs]
-                     + [f"{row.get('ttft_ratio_tiercache_vs_nixl', float('nan')):.2f}"]
+                     + [f"{row.get(f'ttft_ratio_{k}_vs_nixl', float('nan')):.2f}" for k in ours]
                      + [f"{row[f'{k}_recompute_ttft_s'] * 1e3:.1f}" for k in pairs])
-    transfer: dict[str, Any] = {"raw_nixl_gbps": raw, "raw_chunk_bytes": chunk_bytes, "raw_chunks": raw_chunks}
+    transfer: dict[str, Any] = {"raw_nixl_gbps": raws, "raw_chunk_bytes": chunk_bytes, "raw_chunks": raw_chunks}
     for kind in pairs:
         gbps, moved = transfer_gbps(kind, pairs[kind])
+        # each connector against raw NIXL with the UCX settings it runs
+        raw = raws["peer" if kind == "nixl" else "none"]
         transfer[f"{kind}_gbps"] = gbps
         transfer[f"{kind}_bytes"] = moved
         transfer[f"{kind}_vs_raw"] = gbps / raw if gbps else None
 
-    print_table(["prompt", *[f"{k} TTFT ms" for k in pairs], "ratio", *[f"{k} recompute ms" for k in pairs]],
+    ours = [k for k in pairs if k != "nixl"]
+    print_table(["prompt", *[f"{k} TTFT ms" for k in pairs], *[f"{k} / nixl" for k in ours],
+                 *[f"{k} recompute ms" for k in pairs]],
                 table, title=f"decode-side TTFT, median of {args.prompts} ({args.model}, {args.dtype})")
-    print_table(["path", "GB/s", "vs raw NIXL"],
-                [["raw NIXL UCX READ", f"{raw:.2f}", "1.00"]]
+    print_table(["path", "GB/s", "vs raw NIXL (same UCX error mode)"],
+                [[f"raw NIXL UCX READ, error handling {m}", f"{raws[m]:.2f}", "1.00"] for m in ERROR_MODES]
                 + [[f"{k} KV transfer", f"{transfer[f'{k}_gbps'] or float('nan'):.2f}",
                     f"{transfer[f'{k}_vs_raw'] or float('nan'):.2f}"] for k in pairs],
                 title=f"KV transfer throughput ({raw_chunks} chunks x {chunk_bytes >> 10} KiB per hand-off)")

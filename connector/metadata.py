@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiercache.backends.nixl_peer import PeerChunk
+from tiercache.connector.pd import DirectHold
 from tiercache.pipeline import DemoteJobSpec
 from tiercache.transfer import TransferJobSpec
 
@@ -36,6 +37,12 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     peer_sources: dict[bytes, PeerChunk] = field(default_factory=dict)
     # P/D producer: hand-offs are held (the worker keeps its UCX progressed for consumers' READs)
     handoffs_held: bool = False
+    # P/D producer, mode direct: request id -> keys and device blocks the worker marks held
+    # after this step's forward pass; requests whose marks it clears before the forward pass
+    # (no hand-off after all); expired hand-offs whose blocks it releases (finished sending)
+    direct_holds: dict[str, DirectHold] = field(default_factory=dict)
+    direct_unmarks: list[str] = field(default_factory=list)
+    direct_released: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -5,21 +5,31 @@ scheduler thread), on the same manager and the same store/load pipeline as
 offloading (DESIGN.md section 6):
 
 * **Producer** (kv_role ``kv_producer``, or ``kv_both`` with a ``pd`` section):
-  a request sent with ``kv_transfer_params={"do_remote_decode": True}`` stores
-  its prompt chunks through the normal store path into the host tier. When it
-  finishes, :meth:`PDScheduler.request_finished` pins (holds) those chunks and
-  returns the hand-off parameters (vLLM NixlConnector's shape, see
-  tiercache.handoff), naming the host slot of each chunk. The device blocks
-  are freed at once (mode ``via_host``). A hold ends when the worker reports
-  the consumer's read notification, or after ``pd.handoff_timeout_s``
-  (expired; counted): the chunks then stay as ordinary, evictable cache.
-  While anything is held, :meth:`PDScheduler.has_pending` keeps the engine
-  stepping (vLLM's ``has_pending_push_work``), because the worker serves
-  handshakes and collects notifications between steps (vLLM's NixlConnector
-  keeps its producer stepping the same way, through delayed block frees).
+  a request sent with ``kv_transfer_params={"do_remote_decode": True}``
+  finishes with :meth:`PDScheduler.request_finished` returning the hand-off
+  parameters (vLLM NixlConnector's shape, see tiercache.handoff).
+  Mode ``via_host``: its prompt chunks were stored through the normal store
+  path into the host tier; they are pinned (held) and the params name the host
+  slot of each; the device blocks are freed at once. Mode ``direct``: vLLM is
+  told to keep the request's device blocks (delayed free) and the params name
+  them; the worker marks them held (their tags) right after the forward pass
+  that completes the prompt (:meth:`PDScheduler.mark_prefill`, so no later
+  step is needed before a consumer may read) and frees them by reporting the
+  request as finished sending. A hold ends when the worker reports the
+  consumer's read notification, or after ``pd.handoff_timeout_s`` (expired;
+  counted): via_host chunks then stay as ordinary, evictable cache; direct
+  blocks go back to vLLM.
+  Reads need no producer step (UCX error handling ``none``: one-sided
+  transports; handshakes are answered by the side-channel thread), so an idle
+  producer stops stepping and hears of reads and expiries at its next step.
+  :meth:`PDScheduler.has_pending` (vLLM's ``has_pending_push_work``) keeps it
+  stepping only to deliver marks and releases to the worker, and, with
+  ``nixl_error_handling: peer`` (tcp), while anything is held, so that its
+  progress thread runs.
 * **Consumer** (kv_role ``kv_consumer``, or ``kv_both`` with ``pd``): a
   request carrying a tiercache hand-off teaches the manager that the ``peer``
-  tier (read-only, shared) holds its chunks, after checking the producer's
+  tier (read-only, shared; ``peer_direct``, a direct tier, for a producer in
+  mode direct) holds its chunks, after checking the producer's
   fingerprint against its own (a mismatch is refused with an error naming the
   fields, and counted). Lookup, prepare_load and staging then treat the
   producer like any lower tier; :meth:`sources_for` tells the worker which
@@ -34,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk, PeerSource
+from tiercache.backends.nixl_peer import PEER_DIRECT_TIER, PEER_TIER, PeerChunk, PeerSource
 from tiercache.config import PDConfig
 from tiercache.handoff import Handoff, HandoffError, fingerprint, mismatches
 from tiercache.keys import KeySpace
@@ -60,13 +70,23 @@ def pd_settings(kv_role: str, pd: PDConfig | None) -> PDConfig | None:
 class _Hold:
     keys: list[bytes]
     deadline: float
+    direct: bool = False  # the request's device blocks, not host chunks
+
+
+@dataclass(frozen=True)
+class DirectHold:
+    """Producer, mode direct: a request's device blocks the worker must mark held."""
+
+    keys: tuple[bytes, ...]
+    blocks: tuple[tuple[int, ...], ...]  # the blocks of each key
 
 
 class PDScheduler:
     def __init__(self, settings: PDConfig, kv_role: str, keys: KeySpace, manager: OffloadingManager,
-                 chunk_tokens: int, engine_id: str, tp_size: int) -> None:
+                 chunk_tokens: int, engine_id: str, tp_size: int, blocks_per_chunk: int = 1) -> None:
         self.settings = settings
         self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = blocks_per_chunk
         self.is_producer = kv_role in PRODUCER_ROLES
         self.is_consumer = kv_role in CONSUMER_ROLES
         self.keys = keys
@@ -77,6 +97,13 @@ class PDScheduler:
         self._holds: dict[str, _Hold] = {}
         self._sources: dict[bytes, PeerChunk] = {}
         self._asked: set[str] = set()  # consumer requests whose hand-off was looked at
+        # mode direct: the blocks marked on the worker, per request; for the next step's
+        # metadata: marks to set, marks to clear (no hand-off after all: preempted, stopped,
+        # aborted) and expired hand-offs whose blocks the worker releases (finished sending)
+        self._marked: dict[str, DirectHold] = {}
+        self._new_direct: dict[str, DirectHold] = {}
+        self._unmark_direct: list[str] = []
+        self._released_direct: list[str] = []
         self.counters: dict[str, int] = {
             "handoffs_offered": 0, "handoffs_read": 0, "handoffs_expired": 0,
             "handoffs_refused": 0, "handoff_chunks_received": 0,
@@ -87,42 +114,103 @@ class PDScheduler:
         return sum(len(h.keys) for h in self._holds.values())
 
     def has_pending(self) -> bool:
-        """Hand-offs are held: the engine must keep stepping to hear of their reads."""
-        return bool(self._holds)
+        """The engine must run another step: marks or releases to deliver, or tcp reads to progress."""
+        if self._new_direct or self._unmark_direct or self._released_direct:
+            return True
+        return self.settings.nixl_error_handling == "peer" and bool(self._holds)
 
-    # ------------------------------------------------------------------ producer
-    def request_finished(self, request: Request) -> dict[str, Any] | None:
+    def _direct_hold(self, request: Request, block_ids: list[int]) -> DirectHold | None:
+        """The prompt's full chunks and their blocks (None: not a mode-direct hand-off)."""
         params = request.kv_transfer_params or {}
-        if not self.is_producer or not params.get("do_remote_decode"):
+        if not (self.is_producer and self.settings.mode == "direct" and params.get("do_remote_decode")):
             return None
         keys = self.keys.chunk_keys(request.block_hashes)
+        bpc = self.blocks_per_chunk
+        n = min(request.num_prompt_tokens // self.chunk_tokens, len(keys), len(block_ids) // bpc)
+        if n == 0:
+            return None
+        return DirectHold(tuple(keys[:n]), tuple(tuple(block_ids[i * bpc:(i + 1) * bpc]) for i in range(n)))
+
+    def mark_prefill(self, request: Request, block_ids: list[int]) -> None:
+        """Mode direct: this step's forward pass completes the prompt; the worker marks its blocks after it."""
+        if request.request_id in self._marked:
+            return
+        hold = self._direct_hold(request, block_ids)
+        if hold is not None:
+            self._marked[request.request_id] = hold
+            self._new_direct[request.request_id] = hold
+
+    def preempted(self, request_id: str) -> None:
+        """Its blocks go back to vLLM: clear their marks before anything overwrites them."""
+        if self._marked.pop(request_id, None) is not None:
+            self._new_direct.pop(request_id, None)
+            self._unmark_direct.append(request_id)
+
+    # ------------------------------------------------------------------ producer
+    def request_finished(self, request: Request, block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks?, hand-off params) for a finished request."""
+        params = request.kv_transfer_params or {}
+        if not self.is_producer or not params.get("do_remote_decode"):
+            return False, None
+        keys = self.keys.chunk_keys(request.block_hashes)
         prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
-        held = self.manager.hold(keys[:prompt_chunks])
-        slots = self.manager.host_slots(held)
-        if held:
-            self._holds[request.request_id] = _Hold(held, time.monotonic() + self.settings.handoff_timeout_s)
+        deadline = time.monotonic() + self.settings.handoff_timeout_s
+        delay_free = False
+        if self.settings.mode == "direct":
+            rid = request.request_id
+            marked = self._marked.pop(rid, None)
+            hold = self._direct_hold(request, list(block_ids or [])) if _length_capped(request) else None
+            if hold is None:
+                held, where = [], []
+                if marked is not None:  # stopped or aborted: no decode to hand off to
+                    self._new_direct.pop(rid, None)
+                    self._unmark_direct.append(rid)
+            else:
+                held, where = list(hold.keys), [b for blocks in hold.blocks for b in blocks]
+                if hold != marked:  # not marked at its prefill step (or other blocks since): mark now
+                    self._new_direct[rid] = hold
+                self._holds[rid] = _Hold(held, deadline, direct=True)
+                delay_free = True
+        else:
+            held = self.manager.hold(keys[:prompt_chunks])
+            where = self.manager.host_slots(held)
+            if held:
+                self._holds[request.request_id] = _Hold(held, deadline)
         self.counters["handoffs_offered"] += 1
-        return Handoff(
+        return delay_free, Handoff(
             engine_id=self.engine_id, host=self.settings.host, port=self.settings.port,
-            request_id=request.request_id, keys=tuple(held), slots=tuple(slots), fingerprint=self.fingerprint,
-            tp_size=self.tp_size,
+            request_id=request.request_id, keys=tuple(held), slots=tuple(where), fingerprint=self.fingerprint,
+            tp_size=self.tp_size, mode=self.settings.mode,
         ).to_params()
+
+    def take_direct(self) -> tuple[dict[str, DirectHold], list[str], list[str]]:
+        """For the step's metadata: marks to set, marks to clear, expired hand-offs to release."""
+        new, self._new_direct = self._new_direct, {}
+        unmark, self._unmark_direct = self._unmark_direct, []
+        released, self._released_direct = self._released_direct, []
+        return new, unmark, released
+
+    def _end_hold(self, rid: str, hold: _Hold, outcome: str) -> None:
+        if hold.direct:
+            if outcome == "expired":
+                self._released_direct.append(rid)  # the worker frees them (finished sending)
+        else:
+            self.manager.complete_load(hold.keys)
+        self.counters[f"handoffs_{outcome}"] += 1
 
     def handoffs_read(self, request_ids: set[str]) -> None:
         """The worker saw the consumers' read notifications: release those holds."""
         for rid in request_ids:
             hold = self._holds.pop(rid, None)
             if hold is not None:
-                self.manager.complete_load(hold.keys)
-                self.counters["handoffs_read"] += 1
+                self._end_hold(rid, hold, "read")
 
     def expire(self, now: float | None = None) -> None:
         """Release holds nobody read in time (called every step)."""
         now = time.monotonic() if now is None else now
         for rid in [r for r, h in self._holds.items() if h.deadline <= now]:
             hold = self._holds.pop(rid)
-            self.manager.complete_load(hold.keys)
-            self.counters["handoffs_expired"] += 1
+            self._end_hold(rid, hold, "expired")
             logger.info("tiercache P/D: hand-off of %s (%d chunks) expired unread", rid, len(hold.keys))
 
     # ------------------------------------------------------------------ consumer
@@ -153,20 +241,41 @@ class PDScheduler:
             self.counters["handoffs_refused"] += 1
             return
         src = PeerSource(handoff.host, handoff.port, handoff.request_id)
-        self.manager.learn(PEER_TIER, list(handoff.keys))
-        for key, slot in zip(handoff.keys, handoff.slots):
-            self._sources[key] = PeerChunk(src, slot)
+        if handoff.mode == "direct":
+            self.manager.learn(PEER_DIRECT_TIER, list(handoff.keys))
+            for key, blocks in zip(handoff.keys, handoff.blocks_of(self.blocks_per_chunk)):
+                self._sources[key] = PeerChunk(src, -1, blocks)
+        else:
+            self.manager.learn(PEER_TIER, list(handoff.keys))
+            for key, slot in zip(handoff.keys, handoff.slots):
+                self._sources[key] = PeerChunk(src, slot)
 
     def sources_for(self, tiers: tuple[str, ...], keys: tuple[bytes, ...]) -> dict[bytes, PeerChunk]:
-        """Where the producers hold the keys a load plan reads from the peer tier."""
-        return {k: self._sources[k] for k, t in zip(keys, tiers) if t == PEER_TIER and k in self._sources}
+        """Where the producers hold the keys a load plan reads from a peer tier."""
+        return {k: self._sources[k] for k, t in zip(keys, tiers)
+                if t in (PEER_TIER, PEER_DIRECT_TIER) and k in self._sources}
 
     def load_finished(self, keys: tuple[bytes, ...], failed: set[bytes]) -> None:
         """A load ended: forget what the producer held (it releases the chunks now)."""
-        peer_keys = [k for k in keys if self._sources.pop(k, None) is not None]
-        if peer_keys:
-            self.manager.forget(PEER_TIER, peer_keys)
+        by_tier: dict[str, list[bytes]] = {}
+        for k in keys:
+            chunk = self._sources.pop(k, None)
+            if chunk is not None:
+                by_tier.setdefault(PEER_DIRECT_TIER if chunk.blocks else PEER_TIER, []).append(k)
+        for tier, peer_keys in by_tier.items():
+            self.manager.forget(tier, peer_keys)
             self.counters["handoff_chunks_received"] += sum(1 for k in peer_keys if k not in failed)
 
     def forget_request(self, request_id: str) -> None:
         self._asked.discard(request_id)
+
+
+def _length_capped(request: Request) -> bool:
+    """The prefill ended on max_tokens (a P/D proxy's max_tokens=1), not on a stop or an abort.
+
+    Mode direct keeps the device blocks only then, as vLLM's NixlConnector does:
+    a request that stopped or was aborted has no decode to hand off to.
+    """
+    from vllm.v1.request import RequestStatus
+
+    return getattr(request, "status", None) == RequestStatus.FINISHED_LENGTH_CAPPED

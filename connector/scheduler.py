@@ -29,7 +29,7 @@ from tiercache.transfer import TransferJobSpec
 
 from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
 
-from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk
+from tiercache.backends.nixl_peer import PEER_DIRECT_TIER, PEER_TIER, PeerChunk
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PDScheduler, pd_settings
@@ -79,13 +79,16 @@ class TierCacheScheduler:
         pd = pd_settings(kv_role, config.pd)
         specs = [TierSpec(host.name, geometry.host_slots, host.policy), *lower_tier_specs(config, geometry)]
         if pd is not None and kv_role in CONSUMER_ROLES:
-            # The producers, seen as one read-only shared tier (what they announced).
+            # The producers, seen as read-only shared tiers (what they announced): via_host
+            # chunks are staged through a host slot, direct ones land in the blocks.
             specs.append(TierSpec(PEER_TIER, pd.max_peer_chunks, "lru", "read_only", shared=True))
+            specs.append(TierSpec(PEER_DIRECT_TIER, pd.max_peer_chunks, "lru", "read_only", shared=True,
+                                  direct=True))
         self.manager = OffloadingManager(specs)
         self.pd: PDScheduler | None = None
         if pd is not None:
             self.pd = PDScheduler(pd, kv_role, self.keys, self.manager, geometry.chunk_tokens,
-                                  engine_id, geometry.engine.tp_size)
+                                  engine_id, geometry.engine.tp_size, geometry.blocks_per_chunk)
         self._step_peer_sources: dict[bytes, PeerChunk] = {}
         self._chunk_bytes_by_tier = {t.name: geometry.slot_bytes for t in config.tiers}
         self._step_deletes: dict[str, list[bytes]] = {}
@@ -214,11 +217,16 @@ class TierCacheScheduler:
             tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + min(end, (chunk + 1) * ct) - max(start, chunk * ct)
         job = self._new_job("load", request.request_id, plan.keys, tuple(segments))
         self._step_loads.append(job)
+        if self.pd is not None and not self.pd.settings.keep_received and PEER_DIRECT_TIER in plan.tiers:
+            # A pure decode engine: the hand-off's chunks are not copied out again into the host tier.
+            st.next_store_chunk = max(st.next_store_chunk, first_chunk + len(plan.keys))
         if self.pd is not None:
             self._step_peer_sources.update(self.pd.sources_for(plan.tiers, plan.keys))
-        if any(plan.staged):
+        if any(plan.staged) or any(s < 0 for s in plan.slots):
+            # per key: the tier to read first (staged into its host slot, or a direct
+            # tier's reader straight into the blocks), None for a host-tier chunk
             self._step_staging[job.job_id] = tuple(
-                t if staged else None for t, staged in zip(plan.tiers, plan.staged)
+                t if staged or slot < 0 else None for t, staged, slot in zip(plan.tiers, plan.staged, plan.slots)
             )
         for tier, tokens in tokens_by_tier.items():
             self.metrics.label(self.metrics.hit_tokens, tier).inc(tokens)
@@ -235,10 +243,15 @@ class TierCacheScheduler:
                 job = self._plan_store(req_id, st, num_new)
                 if job is not None:
                     stores.append(job)
+                if self.pd is not None and st.request.num_computed_tokens + num_new >= st.request.num_prompt_tokens:
+                    assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+                    self.pd.mark_prefill(st.request, self._kv_cache_manager.get_block_ids(req_id)[0])
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
                 st.next_store_chunk = 0  # re-offer on resume; present chunks are skipped
+            if self.pd is not None:
+                self.pd.preempted(req_id)
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
         demotes = [
@@ -247,8 +260,12 @@ class TierCacheScheduler:
         ]
         for tier_name, keys in self.manager.take_deletes().items():
             self._step_deletes.setdefault(tier_name, []).extend(keys)
+        direct_holds: dict[str, Any] = {}
+        direct_unmarks: list[str] = []
+        direct_released: list[str] = []
         if self.pd is not None:
             self._pd_step()
+            direct_holds, direct_unmarks, direct_released = self.pd.take_direct()
         meta = TierCacheConnectorMetadata(
             loads=self._step_loads,
             stores=stores,
@@ -258,7 +275,10 @@ class TierCacheScheduler:
             demotes=demotes,
             deletes=self._step_deletes,
             peer_sources=self._step_peer_sources,
-            handoffs_held=self.has_pending_handoffs(),
+            handoffs_held=self.pd is not None and self.pd.held_chunks > 0,
+            direct_holds=direct_holds,
+            direct_unmarks=direct_unmarks,
+            direct_released=direct_released,
         )
         self._step_loads, self._step_staging, self._step_invalid, self._step_deletes = [], {}, [], {}
         self._step_peer_sources = {}
@@ -368,19 +388,20 @@ class TierCacheScheduler:
             self.metrics.label(self.metrics.used_bytes, name).set(used * self.geometry.slot_bytes)
 
     # ------------------------------------------------------------ the rest
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request", block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
         # Stores for the request's last step were planned in that step's metadata and
-        # are fenced by the worker before the next forward pass: nothing to delay.
+        # are fenced by the worker before the next forward pass: nothing to delay,
+        # except a P/D hand-off in mode direct (the consumer reads the blocks).
         self._reqs.pop(request.request_id, None)
         if self._shared is not None:
             self._shared.forget(request.request_id)
         if self.pd is not None:
             self.pd.forget_request(request.request_id)
-            return False, self.pd.request_finished(request)
+            return self.pd.request_finished(request, block_ids)
         return False, None
 
     def has_pending_handoffs(self) -> bool:
-        """P/D producer: hand-offs are held (the engine keeps stepping to hear of their reads)."""
+        """P/D producer: the engine must run another step for its hand-offs (see PDScheduler.has_pending)."""
         return self.pd is not None and self.pd.has_pending()
 
     def take_events(self) -> list[ChunkEvent]:

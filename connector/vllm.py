@@ -190,12 +190,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._s().request_finished(request)
+        return self._s().request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._s().request_finished(request)
+        return self._s().request_finished(request, block_ids[0] if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
         # A P/D producer serves handshakes and read notifications between steps: while

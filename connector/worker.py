@@ -30,11 +30,12 @@ from tiercache.transfer import TransferEngine, TransferJobSpec
 
 from tiercache.connector.lower_tiers import make_backends
 
-from tiercache.backends.nixl_peer import PEER_TIER, NixlPeerTier
+from tiercache.backends.nixl_peer import PEER_DIRECT_TIER, PEER_TIER, NixlPeerTier
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PRODUCER_ROLES, pd_settings
 from tiercache.handoff import fingerprint
+from tiercache.pd_blocks import BlockRegions
 from tiercache.pd_channel import ProducerEndpoint
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class TierCacheWorker:
         self._loads: dict[int, TransferJobSpec] = {}
         self._sync_jobs: set[int] = set()
         self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()  # P/D direct: hand-offs whose blocks vLLM may free
         self._invalid_blocks: set[int] = set()
         self._report = TierCacheWorkerMetadata()
 
@@ -81,18 +83,26 @@ class TierCacheWorker:
         keyspace = self.geometry.keyspace(self.config)
         digest = keyspace.digest
         backends = make_backends(self.config, self.geometry, digest, self.rank)
+        block_readers = {}
         if self.pd is not None:
             slab = transfer.host.slab
-            fp = fingerprint(keyspace.namespace)
+            pd = self.pd
+            # the handshake also checks that both sides' NIXL agents can talk to each other
+            fp = {**fingerprint(keyspace.namespace), "nixl_error_handling": pd.nixl_error_handling}
+            blocks = BlockRegions.from_layout(layout)
             if self.kv_role in PRODUCER_ROLES:
+                progress = pd.busy_progress if pd.busy_progress is not None else pd.nixl_error_handling == "peer"
                 self.handoff = ProducerEndpoint(slab.data_ptr(), self.geometry.slot_bytes, self.geometry.host_slots,
-                                             fp, self.pd.host, self.pd.port + self.rank)
+                                                fp, pd.host, pd.port + self.rank, pd.nixl_error_handling, progress,
+                                                blocks if pd.mode == "direct" else None)
             if self.kv_role in CONSUMER_ROLES:
                 self.peer = NixlPeerTier(slab.data_ptr(), slab.numel(), self.geometry.slot_bytes, fp,
-                                         self.rank, self.pd.read_timeout_s)
+                                         self.rank, pd.read_timeout_s, pd.nixl_error_handling, self.num_blocks)
+                self.peer.expose_blocks(blocks)  # producers in mode direct are read into the blocks
                 backends[PEER_TIER] = self.peer
+                block_readers[PEER_DIRECT_TIER] = self.peer
         tier_io = TierIO(backends, transfer.host.slab) if backends else None
-        self.engine = WorkerPipeline(transfer, tier_io)
+        self.engine = WorkerPipeline(transfer, tier_io, block_readers)
         logger.info(
             "tiercache worker: %d regions, %d B/block, host tier %d slots x %d B (%s), lower tiers %s",
             len(layout.regions),
@@ -116,6 +126,11 @@ class TierCacheWorker:
         engine = self._engine()
         if self.handoff is not None:
             self.handoff.set_holding(meta.handoffs_held)
+            for rid in meta.direct_unmarks:
+                self.handoff.release_blocks(rid)  # vLLM frees these blocks itself: nothing to report
+            for rid in meta.direct_released:
+                if self.handoff.release_blocks(rid):
+                    self._finished_sending.add(rid)  # expired: vLLM frees the blocks
         self._invalid_blocks.update(meta.invalid_block_ids)
         if self.peer is not None and meta.peer_sources:
             self.peer.expect(meta.peer_sources)
@@ -137,13 +152,18 @@ class TierCacheWorker:
 
     def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
         engine = self._engine()
+        if self.handoff is not None:
+            # Mode direct: the forward pass just wrote these prompts' KV; consumers may read
+            # them as soon as the request finishes, without another step here.
+            for rid, hold in meta.direct_holds.items():
+                self.handoff.hold_blocks(rid, hold.keys, hold.blocks)
         engine.delete(meta.deletes)  # before the demotions, so the budget has room for them
         for spec in meta.stores:
             if self.handoff is not None:
                 self.handoff.slot_filling([seg.slot for seg in spec.segments])
                 self._stores[spec.job_id] = spec
             engine.submit(spec)
-        if self.handoff is not None and meta.stores:
+        if self.handoff is not None and meta.stores and self.pd is not None and self.pd.mode == "via_host":
             # A producer's step ends with its chunks in host memory (mode via_host): a
             # consumer may ask for them the moment the request finishes, and an idle
             # engine runs no further step that would notice the copies completing.
@@ -155,11 +175,14 @@ class TierCacheWorker:
         if self.handoff is not None:
             # Every step (the engine keeps stepping while hand-offs are held): answer
             # handshakes, progress UCX for the consumers' READs, hear of finished reads.
-            self._report.handoffs_read |= self.handoff.service()
+            read = self.handoff.service()
+            self._report.handoffs_read |= read
+            self._finished_sending.update(rid for rid in read if self.handoff.release_blocks(rid))
         if self.engine is not None:
             self._absorb(self.engine.poll())
         recving, self._finished_recving = self._finished_recving, set()
-        return set(), recving
+        sending, self._finished_sending = self._finished_sending, set()
+        return sending, recving
 
     def _absorb(self, results: list) -> None:
         for res in results:

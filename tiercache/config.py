@@ -18,26 +18,20 @@ chunk size must be a multiple of the engine block size) are made by
 
 from __future__ import annotations
 
-import contextvars
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tiercache.sizes import parse_size
 
+# ConfigError is defined in yaml_config (shared with the server's config); callers import it here.
+from tiercache.yaml_config import ConfigError, load_settings
+from tiercache.yaml_config import YamlFileSource as _YamlSource
+
 ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 PolicyName = Literal["lru", "arc"]
-
-_yaml_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
-    "tiercache_yaml_path", default=None
-)
-
-
-class ConfigError(ValueError):
-    """A configuration problem, raised at start-up with the offending key named."""
 
 
 class _Frozen(BaseModel):
@@ -85,11 +79,26 @@ class MetricsConfig(_Frozen):
 class PDConfig(_Frozen):
     """Prefill/decode hand-off (kv_role kv_producer / kv_consumer; see docs/pd.md)."""
 
-    mode: Literal["via_host"] = Field(
+    mode: Literal["via_host", "direct"] = Field(
         default="via_host",
-        description="via_host: the producer's chunks go through its host tier (registered with "
-        "NIXL) and its device blocks are freed at once. ('direct', reading the producer's "
-        "device blocks, is not implemented yet.)",
+        description="Producer: via_host (default): the prompt's chunks are copied into the host tier, "
+        "registered with NIXL, and the device blocks are freed at once. direct: the device blocks "
+        "stay allocated (vLLM's delayed free) until the consumer has read them straight from the "
+        "engine's KV tensors (no host copy on either side), or until handoff_timeout_s.",
+    )
+    nixl_error_handling: Literal["none", "peer"] = Field(
+        default="none",
+        description="UCX error-handling mode of tiercache's NIXL agents. none (default): one-sided "
+        "transports (shared memory / CMA on one host, RDMA) are allowed, so a read needs no help "
+        "from the producer's CPU; a dead producer still fails the read (or read_timeout_s does). "
+        "peer: UCX's peer-failure handling, which on one host rules out those transports (UCX "
+        "falls back to tcp, and the producer must progress UCX for every read).",
+    )
+    busy_progress: bool | None = Field(
+        default=None,
+        description="Producer: while hand-offs are held, progress UCX continuously (every 0.2 ms; "
+        "needed when reads go over tcp) instead of looking for read notifications every 5 ms. "
+        "Default: on with nixl_error_handling peer, off with none.",
     )
     host: str = Field(
         default="127.0.0.1",
@@ -107,6 +116,12 @@ class PDConfig(_Frozen):
         default=10.0, gt=0,
         description="Consumer: longest wait for a producer (handshake, readiness, the NIXL read); "
         "past it the load fails and the engine recomputes.",
+    )
+    keep_received: bool = Field(
+        default=True,
+        description="Consumer: offer what a mode-direct hand-off delivered to its own host tier (the "
+        "normal store path: a copy out of the blocks per hand-off). via_host hand-offs are staged "
+        "through the host tier and stay there either way. false: a pure decode engine.",
     )
     max_peer_chunks: int = Field(
         default=65536, ge=1,
@@ -199,65 +214,12 @@ class TierCacheConfig(BaseSettings):
         return self.tiers[0]
 
 
-class _YamlSource(PydanticBaseSettingsSource):
-    """Reads the YAML file set for the current :func:`load_config` call."""
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        raise NotImplementedError  # __call__ is used instead
-
-    def __call__(self) -> dict[str, Any]:
-        path = _yaml_path.get()
-        if path is None:
-            return {}
-        return _read_yaml(path)
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"config_file: cannot read {path}: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config_file: {path} is not valid YAML: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config_file: {path} must hold a mapping, not {type(data).__name__}")
-    return data
-
-
 def load_config(config_file: str | Path | None = None, **overrides: Any) -> TierCacheConfig:
     """Build the config from a YAML file, TIERCACHE_* env vars and inline overrides.
 
     Raises ConfigError naming every offending key (and the allowed values).
     """
-    path = Path(config_file).expanduser() if config_file else None
-    if path is not None and not path.is_file():
-        raise ConfigError(f"config_file: no such file: {path}")
-    token = _yaml_path.set(path)
-    try:
-        return TierCacheConfig(**overrides)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, path)) from None
-    finally:
-        _yaml_path.reset(token)
-
-
-def _describe(exc: ValidationError, path: Path | None) -> str:
-    where = f" (config_file {path})" if path else ""
-    lines = [f"invalid tiercache config{where}:"]
-    for err in exc.errors():
-        msg = err["msg"]
-        if not err["loc"]:  # a cross-field check: its message names the key itself
-            lines.append("  " + msg.removeprefix("Value error, "))
-            continue
-        key = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
-    return "\n".join(lines)
+    return load_settings(TierCacheConfig, config_file, overrides, title="invalid tiercache config")
 
 
 def config_from_extra(extra: dict[str, Any] | None) -> TierCacheConfig:

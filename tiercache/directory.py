@@ -38,6 +38,9 @@ class TierSpec:
     # directory only remembers which chunks were seen there (bounded by
     # num_slots); forgetting one deletes nothing, and a reset leaves them alone.
     shared: bool = False
+    # A direct tier's chunks load straight into engine blocks (a P/D producer in
+    # mode direct): no host staging slot; the load plan gives them slot -1.
+    direct: bool = False
 
 
 @dataclass

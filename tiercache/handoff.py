@@ -6,14 +6,17 @@ routers written for vLLM's P/D forward them unchanged::
 
     {"do_remote_prefill": True, "do_remote_decode": False,
      "remote_engine_id": ..., "remote_host": ..., "remote_port": ...,
-     "remote_block_ids": [slot, ...], "remote_request_id": ..., "tp_size": ...,
-     "tiercache": {"version": 2, "chunk_keys": [hex, ...], "fingerprint": {...}}}
+     "remote_block_ids": [slot or block, ...], "remote_request_id": ..., "tp_size": ...,
+     "tiercache": {"version": 3, "mode": "via_host" | "direct",
+                   "chunk_keys": [hex, ...], "fingerprint": {...}}}
 
 ``remote_host``/``remote_port`` name the producer's side channel (rank 0;
 rank r listens on port + r); ``chunk_keys`` are the prompt's chunk keys the
-producer holds for the consumer, in prompt order, and ``remote_block_ids``
-the producer's host slot holding each (the consumer READs them directly and
-checks each slot's tag, see tiercache.pd_channel); ``fingerprint`` is the
+producer holds for the consumer, in prompt order. In mode ``via_host``
+``remote_block_ids`` names the producer's host slot holding each key; in mode
+``direct`` it names the producer's KV blocks, ``blocks_per_chunk`` per key, as
+vLLM's NixlConnector does (the consumer READs them directly and checks their
+tags, see tiercache.pd_channel); ``fingerprint`` is the
 producer's key namespace (model, dtype, layout, block and chunk size, TP
 size, ...). The consumer refuses a hand-off whose fingerprint differs from its
 own, naming every difference (:func:`mismatches`).
@@ -28,7 +31,8 @@ from typing import Any
 
 from tiercache.keys import Namespace
 
-PARAMS_VERSION = 2
+PARAMS_VERSION = 3
+MODES = ("via_host", "direct")
 NOTIF_PREFIX = b"tiercache-read:"  # + the producer's request id, sent with the consumer's NIXL read
 
 
@@ -62,9 +66,17 @@ class Handoff:
     port: int  # side channel of the producer's TP rank 0
     request_id: str  # the producer's request id (sent back in the read notification)
     keys: tuple[bytes, ...]
-    slots: tuple[int, ...]  # the producer's host slot of each key
+    # via_host: the producer's host slot of each key; direct: its KV blocks, the
+    # keys' blocks one after the other (len(keys) * blocks_per_chunk of them)
+    slots: tuple[int, ...]
     fingerprint: dict[str, Any]
     tp_size: int = 1
+    mode: str = "via_host"
+
+    def blocks_of(self, blocks_per_chunk: int) -> list[tuple[int, ...]]:
+        """Mode direct: the producer's blocks of each key."""
+        b = self.slots
+        return [tuple(b[i * blocks_per_chunk:(i + 1) * blocks_per_chunk]) for i in range(len(self.keys))]
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -78,6 +90,7 @@ class Handoff:
             "tp_size": self.tp_size,
             "tiercache": {
                 "version": PARAMS_VERSION,
+                "mode": self.mode,
                 "chunk_keys": [k.hex() for k in self.keys],
                 "fingerprint": dict(self.fingerprint),
             },
@@ -98,10 +111,14 @@ class Handoff:
             if not isinstance(ours, dict) or ours.get("version") != PARAMS_VERSION:
                 raise HandoffError(f"tiercache.version: expected {PARAMS_VERSION}, got {ours!r:.80}")
             keys = tuple(bytes.fromhex(k) for k in ours["chunk_keys"])
+            mode = ours.get("mode", "via_host")
+            if mode not in MODES:
+                raise HandoffError(f"tiercache.mode: expected one of {MODES}, got {mode!r:.40}")
             slots = tuple(int(s) for s in params["remote_block_ids"])
-            if len(slots) != len(keys) or any(s < 0 for s in slots):
-                raise HandoffError(f"remote_block_ids: expected {len(keys)} slot numbers >= 0, "
-                                   f"got {list(slots)!r:.80}")
+            per_key = 1 if mode == "via_host" else (len(slots) // len(keys) if keys else 0)
+            if len(slots) != len(keys) * per_key or any(s < 0 for s in slots) or (keys and per_key < 1):
+                raise HandoffError(f"remote_block_ids: expected {'one slot' if mode == 'via_host' else 'the blocks'}"
+                                   f" per chunk key ({len(keys)} keys), numbers >= 0, got {list(slots)!r:.80}")
             fp = ours["fingerprint"]
             if not isinstance(fp, dict):
                 raise HandoffError("tiercache.fingerprint: not a mapping")
@@ -117,6 +134,7 @@ class Handoff:
                 slots=slots,
                 fingerprint=fp,
                 tp_size=int(params.get("tp_size", 1)),
+                mode=mode,
             )
         except HandoffError:
             raise

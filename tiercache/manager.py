@@ -128,8 +128,9 @@ class OffloadingManager(LowerTierFlows):
         sources = [host if key in host.ready else self._load_source(key) for key in keys]
         if any(t is not host and key in host.storing for key, t in zip(keys, sources)):
             raise KeyError("prepare_load: a chunk is already being staged into the host tier")
-        # Staging slots in the host tier for the chunks that live only below it.
-        staged_count = sum(1 for t in sources if t is not host)
+        # Staging slots in the host tier for the chunks that live only below it
+        # (a direct tier's chunks go straight to the engine's blocks).
+        staged_count = sum(1 for t in sources if t is not host and not t.spec.direct)
         if staged_count > len(host.free_slots):
             evicted = host.evict(staged_count - len(host.free_slots), set(keys))
             if evicted:
@@ -137,7 +138,7 @@ class OffloadingManager(LowerTierFlows):
         budget = len(host.free_slots)
         count = len(keys)
         for i, tier in enumerate(sources):
-            if tier is not host:
+            if tier is not host and not tier.spec.direct:
                 if budget == 0:
                     count = i  # no room to stage the rest: the plan stops here
                     break
@@ -148,6 +149,9 @@ class OffloadingManager(LowerTierFlows):
         for key, tier in zip(keys, sources):
             if tier is host:
                 slots.append(host.ready[key])
+                staged.append(False)
+            elif tier.spec.direct:
+                slots.append(-1)
                 staged.append(False)
             else:
                 (slot,) = host.take_slots(1)

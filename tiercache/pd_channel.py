@@ -1,10 +1,11 @@
 """The P/D side channel and slot tags: a producer worker's endpoint, a consumer's link to it.
 
 Control only; the KV bytes move by NIXL (UCX) READs that the consumer issues
-into its own registered host slab, straight from the producer's registered
-host slab. The side channel carries one exchange per consumer and producer
-rank (the handshake); after it, a hand-off is NIXL only, because the
-hand-off params name the producer's host slots (``remote_block_ids``).
+from the producer's registered host slab (mode via_host) or KV blocks (mode
+direct) into its own registered memory. The side channel carries, per
+consumer and producer rank, one handshake, then one short one-way message
+per hand-off read; the hand-off params name the producer's host slots or
+blocks (``remote_block_ids``).
 
 Messages are msgpack maps framed by a 4-byte big-endian length, bounded by
 ``MAX_MESSAGE_BYTES``; anything else closes that connection only::
@@ -13,8 +14,16 @@ Messages are msgpack maps framed by a 4-byte big-endian length, bounded by
     {"op": "hello", "fingerprint": {...}}      {"ok": true, "agent": name, "metadata": bytes,
                                                 "fingerprint": {...}, "slab_addr": int,
                                                 "slot_bytes": int, "num_slots": int,
-                                                "tags_addr": int}
+                                                "tags_addr": int,
+                                                mode direct: "blocks": {...},
+                                                "block_tags_addr": int}
                                                or {"ok": false, "error": "..."}
+    {"op": "read", "request_id": str}          (none: the producer releases that hand-off)
+
+The read message goes over the side channel rather than as a NIXL
+notification: with UCX error handling ``none``, NIXL notifications from a
+consumer were seen to never reach a ``vllm serve`` producer here (they did
+reach an offline-engine producer); the side channel has no such doubt.
 
 The producer refuses a consumer whose fingerprint differs (naming the
 fields), and so does the consumer (it checks the producer's answer too).
@@ -23,28 +32,37 @@ fields), and so does the consumer (it checks the producer's answer too).
 chunk (a copy still in flight, or a hand-off that expired and whose slot was
 reused). Beside its slab the producer registers one 64-bit tag per slot: 0
 while a copy into the slot runs, :func:`key_tag` of the chunk once the copy is
-complete. The consumer reads the tags (waiting for them to match), the
-chunks, then the tags again: a chunk whose tag changed meanwhile is dropped
-and recomputed. Same key means same bytes, so a slot re-filled with the same
-chunk reads correctly either way.
+complete. The consumer reads the chunks, then the tags: a tag naming the
+chunk proves the slot held it throughout the read (it was complete before the
+params were issued); a tag of 0 (a copy in flight) means read again; another
+chunk's tag means the slot was reused: dropped and recomputed. Same key means
+same bytes, so a slot re-filled with the same chunk reads correctly either
+way. Mode direct: one tag per KV block, set while the block is held for a
+hand-off (see :meth:`ProducerEndpoint.hold_blocks`).
 
-:class:`ProducerEndpoint` (producer worker): the worker calls
-:meth:`ProducerEndpoint.service` every engine step (the engine keeps stepping
-while hand-offs are held, see connector/pd.py), which answers waiting
-handshakes and collects the consumers' read notifications. A consumer's READ
-moves only while the producer's UCX worker is progressed (NIXL's UCX backend
-runs over tcp here: its shared-memory transports lack the peer-failure
-handling NIXL asks for). NIXL's own progress thread spins a whole core even
-when idle, so instead, while hand-offs are held (:meth:`set_holding`), a
-small thread progresses UCX every ``PROGRESS_INTERVAL_S``; with nothing held
-it sleeps. Measured on the 2-core VM: a 15.5 MiB READ took 90-200 ms with
-progress once per step, 2 ms with continuous progress.
+:class:`ProducerEndpoint` (producer worker): a side-channel thread answers
+handshakes at once (blocked in ``select`` otherwise), and the worker calls
+:meth:`ProducerEndpoint.service` every engine step to collect the consumers'
+read notifications. With UCX error handling ``none`` (the default, see
+:func:`make_agent`) a consumer's READ needs nothing from the producer's CPU
+(one-sided CMA / shared memory on one host), so an idle producer may stop
+stepping: what it hears is handled at its next step. With ``peer`` (tcp on
+one host) a READ moves only while the producer's UCX worker is progressed:
+NIXL's own progress thread spins a whole core even when idle, so instead,
+with ``busy_progress`` a small thread progresses UCX every
+``PROGRESS_INTERVAL_S`` while hand-offs are held (:meth:`set_holding`) and
+sleeps otherwise.
+Measured on the 2-core VM with ``peer``: a 15.5 MiB READ took 90-200 ms with
+progress once per step, 2 ms with continuous progress; with ``none``, 1-2 ms
+and no producer involvement at all.
 
 :class:`PeerLink` (consumer): one handshake with one producer rank, its
 agent loaded into the consumer's agent.
 
-Threads: every ProducerEndpoint method on the worker thread only, except
-the progress thread's loop; the NIXL agent's notification calls are
+Threads: every public ProducerEndpoint method on the worker thread only;
+the side-channel thread owns the sockets and reads only fields fixed before
+it serves (``blocks``, the tag arrays' addresses); the progress thread only
+collects notifications. The NIXL agent's calls from more than one thread are
 serialised by ``_agent_lock``, the collected ids by ``_read_lock``.
 """
 
@@ -64,6 +82,7 @@ import msgspec
 import numpy as np
 
 from tiercache.handoff import NOTIF_PREFIX, mismatches
+from tiercache.pd_blocks import BlockRegions
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +92,8 @@ TAG_BYTES = 8
 _LEN = struct.Struct(">I")
 _RECV_BYTES = 64 * 1024
 _REPLY_TIMEOUT_S = 2.0
-PROGRESS_INTERVAL_S = 0.0002  # pause between progress bursts while hand-offs are held
-PROGRESS_BURST_S = 0.002  # one burst of back-to-back UCX progress calls
+PROGRESS_INTERVAL_S = 0.0002  # busy progress: pause between bursts while hand-offs are held
+PROGRESS_BURST_S = 0.002  # busy progress: one burst of back-to-back UCX progress calls
 
 
 class ChannelError(ConnectionError):
@@ -122,38 +141,50 @@ def recv_message(sock: socket.socket) -> dict[str, Any]:
     return decode_body(_recv_exact(sock, size))
 
 
-def make_agent(role: str) -> Any:
-    """A NIXL agent with the UCX backend and no progress thread.
+def make_agent(role: str, error_handling: str = "none") -> Any:
+    """A NIXL agent with the UCX backend and no NIXL progress thread.
+
+    ``error_handling`` is UCX's error-handling mode (``pd.nixl_error_handling``).
+    With ``none`` UCX may pick one-sided transports (CMA/shared memory on one
+    host, RDMA): a READ completes without the producer's CPU. With ``peer``
+    (NIXL's default) UCX on one host falls back to tcp, where a READ moves only
+    while the producer progresses its UCX worker.
 
     NIXL's progress thread busy-polls a core (its Python API sets no delay); on
     a 2-core machine beside two engines that starves everything else. The
     producer's UCX worker is progressed by :meth:`ProducerEndpoint.service`
-    each step instead, the consumer's by its reader thread while it waits.
+    each step (and by its own progress thread when configured), the
+    consumer's by its reader thread while it waits.
     """
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(f"tiercache-{role}-{os.getpid()}-{os.urandom(3).hex()}",
-                      nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    agent = nixl_agent(f"tiercache-{role}-{os.getpid()}-{os.urandom(3).hex()}",
+                       nixl_agent_config(backends=[], enable_prog_thread=False))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling})
+    return agent
 
 
 class ProducerEndpoint:
     """Producer worker: NIXL-registered slab and slot tags, handshakes, read notifications."""
 
     def __init__(self, slab_addr: int, slot_bytes: int, num_slots: int,
-                 fingerprint: dict[str, Any], host: str, port: int) -> None:
+                 fingerprint: dict[str, Any], host: str, port: int,
+                 error_handling: str = "none", busy_progress: bool = False,
+                 blocks: BlockRegions | None = None) -> None:
         self.slab_addr, self.slot_bytes, self.num_slots = slab_addr, slot_bytes, num_slots
         self.fingerprint = fingerprint
         self.tags = np.zeros(num_slots, dtype=np.uint64)  # written by this worker thread only
-        self.agent = make_agent("producer")
+        self.agent = make_agent("producer", error_handling)
         self._reg = self.agent.register_memory(
             [(slab_addr, slot_bytes * num_slots, 0, ""), (int(self.tags.ctypes.data), self.tags.nbytes, 0, "")],
             "DRAM")
         self.agent_name: str = self.agent.name
-        self.metadata: bytes = self.agent.get_agent_metadata()
         self._listener = socket.create_server((host, port))
         self._listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the side-channel thread
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._inbox: dict[socket.socket, bytearray] = {}
         self.address = f"{host}:{port}"
         self.counters = {"hellos": 0, "refused": 0, "bad_messages": 0}
@@ -162,8 +193,20 @@ class ProducerEndpoint:
         self._read: set[str] = set()
         self._holding = threading.Event()
         self._closed = False
-        self._progress = threading.Thread(target=self._progress_loop, name="tiercache-pd-progress", daemon=True)
-        self._progress.start()
+        # mode direct: the engine's KV blocks, one tag per block, blocks held per request
+        self.blocks: BlockRegions | None = None
+        self.block_tags = np.zeros(0, dtype=np.uint64)  # written by this worker thread only
+        self._block_reg: Any = None
+        self._block_tags_reg: Any = None
+        self._held_blocks: dict[str, list[int]] = {}
+        if blocks is not None:
+            self._expose_blocks(blocks)  # before the side channel answers anyone
+        self._progress: threading.Thread | None = None
+        if busy_progress:
+            self._progress = threading.Thread(target=self._progress_loop, name="tiercache-pd-progress", daemon=True)
+            self._progress.start()
+        self._serving = threading.Thread(target=self._serve_loop, name="tiercache-pd-side-channel", daemon=True)
+        self._serving.start()
         logger.info("tiercache P/D producer: side channel on %s, NIXL agent %s", self.address, self.agent_name)
 
     # -------------------------------------------------------------- slot tags
@@ -177,6 +220,38 @@ class ProducerEndpoint:
         for key, slot in zip(keys, slots):
             self.tags[slot] = key_tag(key)
 
+    # ----------------------------------------------------- mode direct: blocks
+    def _expose_blocks(self, blocks: BlockRegions) -> None:
+        """Mode direct: register the engine's KV blocks (and one tag per block) for consumers' READs."""
+        self.blocks = blocks
+        self.block_tags = np.zeros(blocks.num_blocks, dtype=np.uint64)
+        self._block_reg = self.agent.register_memory(blocks.spans(), blocks.mem_type)
+        self._block_tags_reg = self.agent.register_memory(
+            [(int(self.block_tags.ctypes.data), self.block_tags.nbytes, 0, "")], "DRAM")
+
+    def hold_blocks(self, request_id: str, keys: Sequence[bytes], blocks_per_key: Sequence[Sequence[int]]) -> None:
+        """A request's blocks are handed off (vLLM keeps them until :meth:`release_blocks`)."""
+        self.release_blocks(request_id)  # marked again (other blocks): the old marks go
+        held: list[int] = []
+        for key, blocks in zip(keys, blocks_per_key):
+            tag = key_tag(key)
+            for block in blocks:
+                self.block_tags[block] = tag
+                held.append(block)
+        self._held_blocks[request_id] = held
+
+    def release_blocks(self, request_id: str) -> bool:
+        """The hand-off ended (read or expired): its blocks are no longer readable.
+
+        True when the request held blocks here (the worker then reports it to
+        vLLM as finished sending, which frees the blocks).
+        """
+        held = self._held_blocks.pop(request_id, None)
+        if held is None:
+            return False
+        self.block_tags[held] = 0
+        return True
+
     # ------------------------------------------------------------- each step
     def set_holding(self, holding: bool) -> None:
         """Hand-offs are held (consumers may READ now): keep the producer's UCX progressed."""
@@ -186,18 +261,29 @@ class ProducerEndpoint:
             self._holding.clear()
 
     def service(self) -> set[str]:
-        """Answer waiting handshakes, progress UCX; the producer request ids read since last time."""
-        for sel_key, _ in self._selector.select(timeout=0):
-            if sel_key.fileobj is self._listener:
-                self._accept()
-            else:
-                self._receive(sel_key.fileobj)  # type: ignore[arg-type]
+        """Progress UCX and collect notifications: the producer request ids read since last time."""
         self._collect_notifs()
         with self._read_lock:
             out, self._read = self._read, set()
         return out
 
+    def _serve_loop(self) -> None:
+        """The side-channel thread: handshakes are answered at once, engine steps or not."""
+        while not self._closed:
+            try:
+                events = self._selector.select(timeout=1.0)
+            except (OSError, ValueError):
+                return  # closed under us
+            for sel_key, _ in events:
+                if sel_key.fileobj is self._wake_r:
+                    return
+                if sel_key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._receive(sel_key.fileobj)  # type: ignore[arg-type]
+
     def _progress_loop(self) -> None:
+        """tcp transports: move consumers' READs between engine steps while hand-offs are held."""
         while not self._closed:
             if not self._holding.wait(timeout=0.5):
                 continue
@@ -245,9 +331,11 @@ class ProducerEndpoint:
                     return
                 body = bytes(buf[_LEN.size:_LEN.size + size])
                 del buf[:_LEN.size + size]
-                reply = encode_message(self._answer(decode_body(body)))
+                answer = self._answer(decode_body(body))
+                if answer is None:
+                    continue  # a one-way message
                 conn.settimeout(_REPLY_TIMEOUT_S)  # a few KiB: fits the socket buffer at once
-                conn.sendall(reply)
+                conn.sendall(encode_message(answer))
                 conn.setblocking(False)
         except (ChannelError, OSError) as exc:
             self.counters["bad_messages"] += 1
@@ -262,8 +350,15 @@ class ProducerEndpoint:
             pass
         conn.close()
 
-    def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _answer(self, message: dict[str, Any]) -> dict[str, Any] | None:
         op = message.get("op")
+        if op == "read":
+            rid = message.get("request_id")
+            if not isinstance(rid, str):
+                raise ChannelError("read message without a request id")
+            with self._read_lock:
+                self._read.add(rid)
+            return None  # one-way: the consumer does not wait
         if op != "hello":
             return {"ok": False, "error": f"unknown op {op!r}"}
         theirs = message.get("fingerprint")
@@ -272,10 +367,16 @@ class ProducerEndpoint:
             self.counters["refused"] += 1
             return {"ok": False, "error": "incompatible peer: " + "; ".join(diff)}
         self.counters["hellos"] += 1
-        return {"ok": True, "agent": self.agent_name, "metadata": self.metadata,
-                "fingerprint": self.fingerprint, "slab_addr": self.slab_addr,
-                "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
-                "tags_addr": int(self.tags.ctypes.data)}
+        with self._agent_lock:
+            metadata = self.agent.get_agent_metadata()
+        answer = {"ok": True, "agent": self.agent_name, "metadata": metadata,
+                  "fingerprint": self.fingerprint, "slab_addr": self.slab_addr,
+                  "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
+                  "tags_addr": int(self.tags.ctypes.data)}
+        if self.blocks is not None:
+            answer["blocks"] = self.blocks.to_wire()
+            answer["block_tags_addr"] = int(self.block_tags.ctypes.data)
+        return answer
 
     def _collect_notifs(self) -> None:
         try:
@@ -293,15 +394,23 @@ class ProducerEndpoint:
     def close(self) -> None:
         self._closed = True
         self._holding.set()
-        self._progress.join(timeout=2)
+        if self._progress is not None:
+            self._progress.join(timeout=2)
+        self._wake_w.send(b"x")
+        self._serving.join(timeout=5)
         for conn in list(self._inbox):
             self._drop(conn)
         self._selector.close()
         self._listener.close()
-        try:
-            self.agent.deregister_memory(self._reg)
-        except Exception:  # noqa: BLE001
-            logger.debug("tiercache P/D: deregistering the slab failed", exc_info=True)
+        self._wake_r.close()
+        self._wake_w.close()
+        for reg in (self._reg, self._block_reg, self._block_tags_reg):
+            if reg is None:
+                continue
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:  # noqa: BLE001
+                logger.debug("tiercache P/D: deregistering memory failed", exc_info=True)
 
 
 class PeerLink:
@@ -313,12 +422,15 @@ class PeerLink:
             sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
             raise ChannelError(f"producer {self.address} unreachable: {exc}") from exc
-        with sock:
-            try:
-                send_message(sock, {"op": "hello", "fingerprint": fingerprint})
-                reply = recv_message(sock)
-            except OSError as exc:
-                raise ChannelError(f"producer {self.address}: hello: {exc}") from exc
+        try:
+            send_message(sock, {"op": "hello", "fingerprint": fingerprint})
+            reply = recv_message(sock)
+        except (OSError, ChannelError) as exc:
+            sock.close()
+            raise ChannelError(f"producer {self.address}: hello: {exc}") from exc
+        if not reply.get("ok") or mismatches(fingerprint, reply.get("fingerprint") or {}):
+            sock.close()
+        self._sock = sock  # kept open: read notifications go over it
         if not reply.get("ok"):
             raise ChannelError(f"producer {self.address} refused us: {reply.get('error')}")
         diff = mismatches(fingerprint, reply.get("fingerprint") or {})
@@ -330,7 +442,21 @@ class PeerLink:
             self.num_slots = int(reply["num_slots"])
             self.tags_addr = int(reply["tags_addr"])
             metadata = reply["metadata"]
+            # mode direct: the producer's KV blocks and their tags (absent when it exposes none)
+            self.blocks = BlockRegions.from_wire(reply["blocks"]) if "blocks" in reply else None
+            self.block_tags_addr = int(reply.get("block_tags_addr", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ChannelError(f"producer {self.address}: malformed hello answer: {exc!r}") from exc
         name = agent.add_remote_agent(metadata)
         self.agent_name = name.decode() if isinstance(name, bytes) else str(name)
+
+    def notify_read(self, request_id: str) -> None:
+        """Tell the producer its hand-off ``request_id`` was read (one-way; it releases the chunks)."""
+        try:
+            self._sock.settimeout(_REPLY_TIMEOUT_S)
+            send_message(self._sock, {"op": "read", "request_id": request_id})
+        except OSError as exc:
+            raise ChannelError(f"producer {self.address}: read notification: {exc}") from exc
+
+    def close(self) -> None:
+        self._sock.close()

@@ -7,7 +7,10 @@ Jobs arriving from the scheduler, and what happens to them:
   (``stage_tiers[i]`` names it), those are first read into their host staging
   slots, and the device copy starts once every staged read has ended: one job,
   lower tier -> host -> device. A chunk whose staged read failed is left out of
-  the device copy and reported failed (vLLM recomputes it);
+  the device copy and reported failed (vLLM recomputes it). A chunk of a
+  *direct* tier (one with a :class:`BlockReader`: a P/D producer in mode
+  direct) is read by that reader straight into its engine blocks, beside the
+  staged reads; it takes no part in the device copy;
 * demote: host slot -> lower tier (TierIO);
 * delete: lower-tier keys evicted by the manager.
 
@@ -18,10 +21,12 @@ main thread only.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tiercache.backend import JobResult
+from tiercache.device import CopySegment
 from tiercache.tier_io import TierIO
 from tiercache.transfer import TransferEngine, TransferJobSpec
 
@@ -36,21 +41,41 @@ class DemoteJobSpec:
     host_slots: tuple[int, ...]
 
 
+class BlockReader(Protocol):
+    """A tier whose chunks are read straight into engine blocks (no host slot)."""
+
+    def submit_blocks(self, job_id: int, keys: Sequence[bytes], segments: Sequence[CopySegment]) -> None: ...
+
+    def poll_blocks(self) -> list[JobResult]: ...
+
+
 @dataclass
 class _StagedLoad:
     spec: TransferJobSpec
     waiting: set[str]
+    direct: set[bytes] = field(default_factory=set)  # keys read by a BlockReader
     failed: set[bytes] = field(default_factory=set)
-    bytes: int = 0
+    direct_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class _Settled:
+    """What a load's reads settled before its device copy: failed keys, direct arrivals."""
+
+    failed: set[bytes]
+    direct_ok: tuple[bytes, ...]
+    direct_bytes: int
+
+
 class WorkerPipeline:
-    def __init__(self, engine: TransferEngine, tier_io: TierIO | None = None) -> None:
+    def __init__(self, engine: TransferEngine, tier_io: TierIO | None = None,
+                 block_readers: Mapping[str, BlockReader] | None = None) -> None:
         self.engine = engine
         self.tier_io = tier_io
+        self.block_readers = dict(block_readers or {})
         self._staging: dict[int, _StagedLoad] = {}
-        self._stage_failed: dict[int, set[bytes]] = {}
+        self._settled: dict[int, _Settled] = {}
         self._demotes: set[int] = set()
         self._ready: list[JobResult] = []
 
@@ -59,18 +84,30 @@ class WorkerPipeline:
         if spec.direction != "load" or not any(stage_tiers):
             self.engine.submit(spec)
             return
-        if self.tier_io is None:
-            self._ready.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
-            return
         by_tier: dict[str, tuple[list[bytes], list[int]]] = {}
+        direct: dict[str, tuple[list[bytes], list[CopySegment]]] = {}
         for key, seg, tier in zip(spec.keys, spec.segments, stage_tiers):
-            if tier:
+            if tier in self.block_readers:
+                keys, segs = direct.setdefault(tier, ([], []))
+                keys.append(key)
+                segs.append(seg)
+            elif tier:
                 keys, slots = by_tier.setdefault(tier, ([], []))
                 keys.append(key)
                 slots.append(seg.slot)
-        self._staging[spec.job_id] = _StagedLoad(spec, set(by_tier))
+        if by_tier and self.tier_io is None:
+            self._ready.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
+            return
+        direct_keys = {k for keys, _ in direct.values() for k in keys}
+        self._staging[spec.job_id] = _StagedLoad(spec, set(by_tier) | set(direct), direct_keys)
         for tier, (keys, slots) in by_tier.items():
+            assert self.tier_io is not None
             self.tier_io.get(spec.job_id, tier, keys, slots)
+        for tier, (keys, segs) in direct.items():
+            try:
+                self.block_readers[tier].submit_blocks(spec.job_id, keys, segs)
+            except Exception:  # noqa: BLE001 - a reader that cannot start fails its keys
+                self._staged_read_done(tier, JobResult(spec.job_id, (), tuple(keys), 0, 0.0), self._ready)
 
     def submit_demote(self, spec: DemoteJobSpec) -> None:
         if self.tier_io is None:
@@ -97,16 +134,21 @@ class WorkerPipeline:
                     out.append(res)
                 elif res.job_id in self._staging:
                     self._staged_read_done(tier, res, out)
+        for tier, reader in self.block_readers.items():
+            for res in reader.poll_blocks():
+                if res.job_id in self._staging:
+                    self._staged_read_done(tier, res, out)
         out.extend(self._merge(self.engine.poll()))
         return out
 
     def _merge(self, results: list[JobResult]) -> list[JobResult]:
-        """Add the chunks whose staged read failed to their job's device-copy result."""
+        """Add what the reads settled (failed chunks, direct arrivals) to the job's device-copy result."""
         merged: list[JobResult] = []
         for res in results:
-            failed = self._stage_failed.pop(res.job_id, None)
-            if failed:
-                res = JobResult(res.job_id, res.ok_keys, res.failed_keys + tuple(failed), res.bytes, res.secs)
+            settled = self._settled.pop(res.job_id, None)
+            if settled is not None:
+                res = JobResult(res.job_id, res.ok_keys + settled.direct_ok,
+                                res.failed_keys + tuple(settled.failed), res.bytes + settled.direct_bytes, res.secs)
             merged.append(res)
         return merged
 
@@ -114,17 +156,21 @@ class WorkerPipeline:
         staged = self._staging[res.job_id]
         staged.waiting.discard(tier)
         staged.failed.update(res.failed_keys)
-        staged.bytes += res.bytes
+        if tier in self.block_readers:
+            staged.direct_bytes += res.bytes
         if staged.waiting:
             return
         del self._staging[res.job_id]
         spec = staged.spec
-        keep = [i for i, key in enumerate(spec.keys) if key not in staged.failed]
+        direct_ok = tuple(k for k in spec.keys if k in staged.direct and k not in staged.failed)
+        keep = [i for i, key in enumerate(spec.keys) if key not in staged.failed and key not in staged.direct]
         if not keep:
-            out.append(JobResult(spec.job_id, (), spec.keys, 0, time.perf_counter() - staged.started))
+            failed = tuple(k for k in spec.keys if k in staged.failed)
+            out.append(JobResult(spec.job_id, direct_ok, failed, staged.direct_bytes,
+                                 time.perf_counter() - staged.started))
             return
-        if staged.failed:
-            self._stage_failed[spec.job_id] = staged.failed
+        if staged.failed or direct_ok:
+            self._settled[spec.job_id] = _Settled(staged.failed, direct_ok, staged.direct_bytes)
         self.engine.submit(
             TransferJobSpec(
                 spec.job_id,

@@ -17,7 +17,9 @@ class LoadPlan:
     ``tiers[i]`` names where the chunk lives. When it is a lower tier,
     ``staged[i]`` is True: the chunk is first read from that tier into host
     slot ``slots[i]`` (reserved as staging), then copied to the engine, in one
-    job. After the job the chunk stays in the host tier (promoted). A plan may
+    job. After the job the chunk stays in the host tier (promoted). A chunk of
+    a direct tier (TierSpec.direct) is read straight into the engine's blocks:
+    its slot is -1 and it is not staged. A plan may
     cover only a leading part of the keys asked for (no host slot could be
     freed for staging the rest): the caller treats the rest as failed loads.
     """

@@ -1,5 +1,9 @@
 """Prefill/decode disaggregation on real vLLM engines: a producer and consumers over NIXL.
 
+Every test runs for both producer modes: ``via_host`` (the prompt's chunks go
+through the producer's host tier) and ``direct`` (the consumer reads the
+producer's KV blocks, which vLLM keeps allocated until the hand-off ends).
+
 Engines (tiny random-weight Llama, float32), separate processes on loopback:
 
 * ``baseline``: one engine, no connector, prompts A then B (10 tokens each);
@@ -11,11 +15,13 @@ Engines (tiny random-weight Llama, float32), separate processes on loopback:
   parameters: tokens equal the baseline's and its prompt tokens come from the
   transfer (vLLM's own local-compute count stays below one block per prompt).
   Nobody reads B: after ``handoff_timeout_s`` the producer's next step expires
-  those hand-offs and their chunks are released (held gauge back to 0). Then the
+  those hand-offs and their chunks are released (held gauge back to 0; in mode
+  direct the blocks go back to vLLM: its KV-cache usage returns to 0). Then the
   producer is SIGKILLed, and the consumer's round 1 decodes B with the dead
   producer's parameters: it recomputes, tokens equal, within the read timeout;
-* ``mismatched`` (kv_consumer with another chunk size): refuses A's hand-offs
-  with an error naming the differing fields, and recomputes identically.
+* ``mismatched`` (kv_consumer with another chunk size; via_host only, the check
+  is the same in both modes): refuses A's hand-offs with an error naming the
+  differing fields, and recomputes identically.
 
 The negative control (a consumer that did NOT recompute could not produce the
 baseline's tokens) is the random-weight model itself (tests/e2e/test_harness_selfcheck.py
@@ -67,9 +73,9 @@ def engine_spec(kv: dict[str, Any] | None, rounds: list[dict[str, Any]], metrics
     }
 
 
-def producer_kv(side_port: int, metrics_port: int) -> dict[str, Any]:
+def producer_kv(side_port: int, metrics_port: int, mode: str) -> dict[str, Any]:
     return tiercache_kv_config(CHUNK, [], metrics_port=metrics_port, kv_role="kv_producer",
-                               pd={"port": side_port, "handoff_timeout_s": HANDOFF_TIMEOUT_S})
+                               pd={"port": side_port, "handoff_timeout_s": HANDOFF_TIMEOUT_S, "mode": mode})
 
 
 def consumer_kv(metrics_port: int, chunk: int = CHUNK) -> dict[str, Any]:
@@ -97,27 +103,39 @@ def vllm_counter(rnd: dict[str, Any], name_part: str, label_part: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("pd")
+def baseline(tiny_model: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("pd-baseline")
+    baseline_rounds = [{"prompts": A, "max_tokens": 10}, {"prompts": B, "max_tokens": 10}]
+    return run_engine({**engine_spec(None, baseline_rounds, None), "model_dir": str(tiny_model)},
+                      timeout_s=400, workdir=tmp / "baseline")
+
+
+@pytest.fixture(scope="module", params=["via_host", "direct"])
+def runs(request: pytest.FixtureRequest, tiny_model: pathlib.Path, baseline: dict[str, Any],
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    mode = request.param
+    tmp = tmp_path_factory.mktemp(f"pd-{mode}")
     model = str(tiny_model)
     side, p_metrics, c_metrics, m_metrics = free_port(), free_port(), free_port(), free_port()
     params_a, params_b = tmp / "params_a.json", tmp / "params_b.json"
     prefill = {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     producer_rounds = [
         {"prompts": A + B, **prefill},
-        {"prompts": TINY, "max_tokens": 1, "barrier": "expire"},  # a step after the timeout
+        # An idle producer hears of reads (and expiries) at its next step: one after A's reads,
+        {"prompts": TINY, "max_tokens": 1, "barrier": "heard"},
+        {"prompts": TINY, "max_tokens": 1, "barrier": "expire"},  # one after the timeout
         {"prompts": TINY, "max_tokens": 1, "barrier": "end"},  # killed while waiting here
     ]
     consumer_rounds = [decode_round(A, params_a, "A"), decode_round(B, params_b, "B")]
-    producer = EngineRun({**engine_spec(producer_kv(side, p_metrics), producer_rounds, p_metrics, PRODUCER_CPU),
+    producer = EngineRun({**engine_spec(producer_kv(side, p_metrics, mode), producer_rounds, p_metrics, PRODUCER_CPU),
                           "model_dir": model}, tmp / "producer")
     consumer = EngineRun({**engine_spec(consumer_kv(c_metrics), consumer_rounds, c_metrics, CONSUMER_CPU),
                           "model_dir": model}, tmp / "consumer")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"mode": mode, "baseline": baseline}
     try:
-        producer.wait_for("expire", timeout_s=400)
+        producer.wait_for("heard", timeout_s=400)
         prefilled_at = time.monotonic()
-        handed = producer.partial("expire")["rounds"][0]
+        handed = producer.partial("heard")["rounds"][0]
         params = [r["kv_transfer_params"] for r in handed["requests"]]
         out["producer_r0"] = handed
         params_a.write_text(json.dumps(params[: len(A)]))
@@ -125,10 +143,12 @@ def runs(tiny_model: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> 
         consumer.wait_for("A", timeout_s=400)
         consumer.release("A")
         consumer.wait_for("B", timeout_s=400)
+        producer.release("heard")
+        producer.wait_for("expire", timeout_s=120)
         time.sleep(max(0.0, prefilled_at + HANDOFF_TIMEOUT_S + 1 - time.monotonic()))
         producer.release("expire")
         producer.wait_for("end", timeout_s=120)
-        out["producer_r1"] = producer.partial("end")["rounds"][1]
+        out["producer_r1"] = producer.partial("end")["rounds"][2]
         producer.kill()  # after prefill, before anyone reads B
         consumer.release("B")
         out["consumer"] = consumer.result(timeout_s=400)
@@ -136,9 +156,8 @@ def runs(tiny_model: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> 
         producer.kill()
         consumer.kill()
     out["consumer_log"] = (tmp / "consumer" / "engine.log").read_text(errors="replace")
-    baseline_rounds = [{"prompts": A, "max_tokens": 10}, {"prompts": B, "max_tokens": 10}]
-    out["baseline"] = run_engine({**engine_spec(None, baseline_rounds, None), "model_dir": model},
-                                 timeout_s=400, workdir=tmp / "baseline")
+    if mode != "via_host":
+        return out
     mismatched = {**engine_spec(consumer_kv(m_metrics, chunk=2 * CHUNK),
                                 [{"prompts": A, "max_tokens": 10, "kv_transfer_params_file": str(params_a)}],
                                 m_metrics), "model_dir": model}
@@ -154,13 +173,17 @@ def test_producer_returns_nixl_shaped_params(runs: dict[str, Any]) -> None:
         for field in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"):
             assert field in params
         assert len(params["tiercache"]["chunk_keys"]) == PROMPT_LEN // CHUNK
+        assert params["tiercache"]["mode"] == runs["mode"]
+        # via_host: one host slot per chunk; direct: the chunk's blocks (one block per chunk here)
+        assert len(params["remote_block_ids"]) == PROMPT_LEN // CHUNK
 
 
 def test_consumer_decodes_token_exact_without_recomputing_the_prompt(runs: dict[str, Any]) -> None:
     consumer, baseline = runs["consumer"], runs["baseline"]
     assert tokens(consumer, 0) == tokens(baseline, 0)
     r0 = consumer["rounds"][0]
-    assert sample(r0, "tiercache_hit_tokens_total", 'tier="peer"') == len(A) * CHUNKS_PER_PROMPT * CHUNK
+    tier = "peer" if runs["mode"] == "via_host" else "peer_direct"
+    assert sample(r0, "tiercache_hit_tokens_total", f'tier="{tier}"') == len(A) * CHUNKS_PER_PROMPT * CHUNK
     local = vllm_counter(r0, "prompt_tokens_by_source", "local_compute")
     assert 0 < local <= len(A) * (PROMPT_LEN - CHUNKS_PER_PROMPT * CHUNK)
 
@@ -171,6 +194,9 @@ def test_read_handoffs_are_released_and_unread_ones_expire(runs: dict[str, Any])
     assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="read"') == len(A)
     assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="expired"') == len(B)
     assert sample(r1, "tiercache_pd_held_chunks") == 0
+    # mode direct: vLLM kept the hand-offs' blocks until they ended; now they are free again
+    usage = [float(v) for k, v in r1["metrics"].items() if "kv_cache_usage" in k]
+    assert usage and max(usage) == 0.0, r1["metrics"]
 
 
 def test_dead_producer_means_recompute_with_identical_output(runs: dict[str, Any]) -> None:
@@ -185,6 +211,8 @@ def test_dead_producer_means_recompute_with_identical_output(runs: dict[str, Any
 
 
 def test_mismatched_consumer_is_refused_naming_the_difference(runs: dict[str, Any]) -> None:
+    if "mismatched" not in runs:
+        pytest.skip("the fingerprint check is the same in mode direct; run once (via_host)")
     mismatched, baseline = runs["mismatched"], runs["baseline"]
     assert tokens(mismatched, 0) == tokens(baseline, 0)
     assert sample(mismatched["rounds"][0], "tiercache_pd_handoffs_total", 'outcome="refused"') == len(A)

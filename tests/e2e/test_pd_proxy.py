@@ -132,10 +132,14 @@ def test_proxy_completion_equals_a_single_engine_and_skips_the_prompt(servers: d
     full_chunks = (len(PROMPT) - 1) // CHUNK
     assert scrape(ports["d_metrics"], "tiercache_hit_tokens_total", 'tier="peer"') == full_chunks * CHUNK
     assert scrape(ports["d_metrics"], "tiercache_failed_chunks_total") == 0
+    # An idle producer does not step (the READ needed nothing from it); it hears of the read,
+    # and releases the hand-off, at its next step.
     deadline = time.monotonic() + 10
     while scrape(ports["p_metrics"], "tiercache_pd_handoffs_total", 'outcome="read"') < 1:
         assert time.monotonic() < deadline, "the producer never heard that its hand-off was read"
+        completion(f"http://127.0.0.1:{ports['prefill']}", max_tokens=1)
         time.sleep(0.2)
+    assert scrape(ports["p_metrics"], "tiercache_pd_held_chunks") == 0
 
 
 def test_proxy_streams_the_decode_answer(servers: dict[str, Any]) -> None:

@@ -8,8 +8,10 @@ re-filled with another chunk is never served for the old one; a producer with
 another fingerprint is refused naming the field; a dead producer fails the read
 within the timeout; garbage on the side channel harms no one else.
 
-The producer endpoint has no thread of its own: a ``Stepper`` thread stands in
-for the engine's steps and calls ``service()`` every few milliseconds.
+A ``Stepper`` thread stands in for the engine's steps and calls ``service()``
+every few milliseconds. With UCX error handling ``none`` (the default) a READ
+needs nothing from the producer; with ``peer`` it moves only while the
+producer's UCX is progressed (its progress thread, or ``service()``).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def pair():
     cons_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
     port = free_port()
     server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port)
-    server.set_holding(True)  # the scheduler says hand-offs are held: UCX progressed between steps too
+    server.set_holding(True)  # the scheduler says hand-offs are held
     stepper = Stepper(server)
     peer = NixlPeerTier(cons_slab.data_ptr(), cons_slab.numel(), SLOT, FP, rank=0, read_timeout_s=2.0)
     yield prod_slab, cons_slab, server, peer, port, stepper
@@ -108,9 +110,49 @@ def test_consumer_reads_producer_slots_byte_exact_and_producer_is_notified(pair)
     assert stepper.read == {"req-7"}
 
 
-def test_between_steps_the_progress_thread_moves_the_read(pair) -> None:
-    """A long producer step: no service() call during the READ; the progress thread carries it."""
+def test_a_read_needs_nothing_from_the_producer(pair) -> None:
+    """Error handling none: one-sided transports; a READ completes during a long producer step.
+
+    The producer's listener thread still looks for notifications every 5 ms; docs/pd.md
+    records the same READ against a producer process that made no UCX call at all."""
     prod, cons, server, peer, port, stepper = pair
+    server.slot_filled([b"h" * 16], [2])
+    peer.expect({b"h" * 16: chunk(port, 2, "req-h")})
+    peer.submit_get(8, [b"h" * 16], views(cons, [0]))
+    assert wait_result(peer).ok  # handshake done while the engine was stepping
+    stepper.stop()  # the engine is "inside a long step" from now on: no service() at all
+    prod[3] = 9
+    server.slot_filled([b"p" * 16], [3])
+    peer.expect({b"p" * 16: chunk(port, 3, "req-p")})
+    start = time.monotonic()
+    peer.submit_get(9, [b"p" * 16], views(cons, [1]))
+    res = wait_result(peer)
+    assert res.ok and int(cons[1].sum()) == 9 * SLOT and time.monotonic() - start < 1.5
+    assert peer.counters["inline_jobs"] == 1  # the second read ran on the submitting thread
+    assert {"req-h", "req-p"} <= heard_reads(server, stepper, {"req-h", "req-p"})  # at the next steps
+
+
+@pytest.fixture
+def peer_mode_pair():
+    """UCX with peer-failure handling (tcp here): the producer runs its progress thread."""
+    prod_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
+    cons_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
+    port = free_port()
+    server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port,
+                              error_handling="peer", busy_progress=True)
+    server.set_holding(True)
+    stepper = Stepper(server)
+    peer = NixlPeerTier(cons_slab.data_ptr(), cons_slab.numel(), SLOT, FP, rank=0, read_timeout_s=2.0,
+                        error_handling="peer")
+    yield prod_slab, cons_slab, server, peer, port, stepper
+    peer.close()
+    stepper.stop()
+    server.close()
+
+
+def test_peer_mode_between_steps_the_progress_thread_moves_the_read(peer_mode_pair) -> None:
+    """A long producer step: no service() call during the READ; the progress thread carries it."""
+    prod, cons, server, peer, port, stepper = peer_mode_pair
     server.slot_filled([b"h" * 16], [2])
     peer.expect({b"h" * 16: chunk(port, 2, "req-h")})
     peer.submit_get(8, [b"h" * 16], views(cons, [0]))
@@ -123,7 +165,16 @@ def test_between_steps_the_progress_thread_moves_the_read(pair) -> None:
     peer.submit_get(9, [b"p" * 16], views(cons, [1]))
     res = wait_result(peer)
     assert res.ok and int(cons[1].sum()) == 9 * SLOT and time.monotonic() - start < 1.5
-    assert {"req-h", "req-p"} <= stepper.read | server.service()  # heard at the next step
+    assert {"req-h", "req-p"} <= heard_reads(server, stepper, {"req-h", "req-p"})
+
+
+def heard_reads(server: ProducerEndpoint, stepper: Stepper, want: set[str], timeout_s: float = 5.0) -> set[str]:
+    """What the producer heard was read, by now or by its next steps (the side channel is a thread)."""
+    heard, deadline = set(stepper.read), time.monotonic() + timeout_s
+    while not want <= heard and time.monotonic() < deadline:
+        heard |= server.service()
+        time.sleep(0.01)
+    return heard
 
 
 def test_read_waits_for_a_copy_still_in_progress(pair) -> None:

@@ -72,3 +72,83 @@ def test_peer_tier_is_read_only_and_forgotten_after_the_load() -> None:
     m.prepare_store([key(9)])
     m.complete_store([key(9)])
     assert m.prepare_demotions() == []  # nothing is ever copied down into a producer
+
+
+def test_direct_params_name_each_chunks_blocks() -> None:
+    h = Handoff("eng", "127.0.0.1", 5700, "req-2", (key(1), key(2)), (4, 5, 9, 10), FP, mode="direct")
+    params = h.to_params()
+    assert params["tiercache"]["mode"] == "direct" and params["remote_block_ids"] == [4, 5, 9, 10]
+    back = Handoff.from_params(params)
+    assert back == h and back.blocks_of(2) == [(4, 5), (9, 10)]
+    params["remote_block_ids"] = [4, 5, 9]  # not the same number of blocks per key
+    with pytest.raises(HandoffError, match="remote_block_ids"):
+        Handoff.from_params(params)
+    params = h.to_params()
+    params["tiercache"]["mode"] = "teleport"
+    with pytest.raises(HandoffError, match="tiercache.mode"):
+        Handoff.from_params(params)
+
+
+# ------------------------------------------------------------- producer, mode direct
+def direct_producer(error_handling: str = "none"):  # type: ignore[no-untyped-def]
+    from tiercache.config import PDConfig
+    from tiercache.connector.pd import PDScheduler
+    from tiercache.keys import KeySpace, Namespace
+
+    ns = Namespace("m", "torch.float32", "NHD", 32, 64, 1, 4096, "sha256")
+    settings = PDConfig(mode="direct", handoff_timeout_s=5, nixl_error_handling=error_handling)  # type: ignore[arg-type]
+    return PDScheduler(settings, "kv_producer", KeySpace(ns, 2), OffloadingManager([TierSpec("cpu", 4)]),
+                       chunk_tokens=64, engine_id="e", tp_size=1, blocks_per_chunk=2)
+
+
+def prompt_request(rid: str, capped: bool = True):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    status = RequestStatus.FINISHED_LENGTH_CAPPED if capped else RequestStatus.FINISHED_STOPPED
+    return SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_decode": True}, num_prompt_tokens=140,
+                           block_hashes=[bytes([i]) * 32 for i in range(4)], status=status)
+
+
+def test_direct_producer_marks_at_the_prefill_step_and_keeps_the_blocks() -> None:
+    pd = direct_producer()
+    req = prompt_request("r1")
+    pd.mark_prefill(req, [7, 8, 2, 3, 11])  # the step completing the 140-token prompt
+    marks, unmarks, released = pd.take_direct()
+    assert list(marks) == ["r1"] and marks["r1"].blocks == ((7, 8), (2, 3)) and not unmarks and not released
+    assert not pd.has_pending()  # delivered: an idle producer may stop stepping
+    delay, params = pd.request_finished(req, [7, 8, 2, 3, 11])  # type: ignore[arg-type]
+    assert delay is True and params is not None and params["remote_block_ids"] == [7, 8, 2, 3]
+    assert pd.take_direct() == ({}, [], [])  # marked already: nothing more for the worker
+    assert pd.held_chunks == 2
+    pd.expire(now=1e12)  # nobody read it
+    assert pd.take_direct() == ({}, [], ["r1"]) and pd.counters["handoffs_expired"] == 1
+
+
+def test_direct_producer_clears_marks_when_no_hand_off_follows() -> None:
+    pd = direct_producer()
+    stopped = prompt_request("r2", capped=False)
+    pd.mark_prefill(stopped, [1, 2, 3, 4])
+    pd.take_direct()
+    assert pd.request_finished(stopped, [1, 2, 3, 4])[0] is False  # type: ignore[arg-type]
+    assert pd.take_direct() == ({}, ["r2"], [])  # stopped on its own: vLLM frees, tags cleared
+    preempted = prompt_request("r3")
+    pd.mark_prefill(preempted, [5, 6, 7, 8])
+    pd.take_direct()
+    pd.preempted("r3")
+    assert pd.take_direct() == ({}, ["r3"], [])
+    assert pd.has_pending() is False
+
+
+def test_direct_producer_marks_late_when_the_prefill_step_was_missed() -> None:
+    pd = direct_producer("peer")
+    req = prompt_request("r4")
+    delay, _ = pd.request_finished(req, [9, 10, 11, 12])  # type: ignore[arg-type]
+    assert delay is True and pd.has_pending()  # a step must deliver the marks
+    marks, _, _ = pd.take_direct()
+    assert marks["r4"].blocks == ((9, 10), (11, 12))
+    assert pd.has_pending()  # tcp (peer): keeps stepping while anything is held
+    pd.handoffs_read({"r4"})
+    assert not pd.has_pending() and pd.counters["handoffs_read"] == 1
+    assert pd.take_direct() == ({}, [], [])  # the worker released it itself on the read

@@ -862,3 +862,25 @@ def test_discard_restore_discard_while_pinned_leaks_no_slot(policy: str) -> None
     assert used(m) == 2
     m.complete_load(ks(0))
     assert used(m) == 0
+
+
+def test_direct_tier_loads_without_a_host_staging_slot(policy: str) -> None:
+    """A P/D producer in mode direct: its chunks land in engine blocks, no host slot is taken."""
+    m = OffloadingManager([TierSpec(HOST, 1, policy), TierSpec("disk", 4, policy, "write_back"),
+                           TierSpec("peer_direct", 8, "lru", "read_only", shared=True, direct=True)])
+    store(m, ks(5))
+    m.prepare_load(ks(5))  # the only host slot is pinned: nothing could be staged now
+    place_in_lower_tier(m, "disk", key(2))
+    m.learn("peer_direct", ks(0, 1))
+    assert m.lookup(ks(0, 1, 2)) == 3
+    plan = m.prepare_load(ks(0, 1, 2))
+    assert plan.keys == tuple(ks(0, 1))  # the disk chunk needs a staging slot: none free, the plan stops
+    assert plan.tiers == ("peer_direct", "peer_direct") and plan.slots == (-1, -1)
+    assert plan.staged == (False, False)
+    assert m.state_of(key(0), "peer_direct")[2] == 1  # type: ignore[index]  # pinned
+    assert m.usage()[HOST] == (1, 1)  # no host slot taken
+    m.complete_load(ks(0, 1))
+    assert m.state_of(key(0), "peer_direct")[2] == 0  # type: ignore[index]
+    assert m.state_of(key(0), HOST) is None  # nothing promoted: it was never in host memory
+    m.forget("peer_direct", ks(0, 1))
+    assert m.lookup(ks(0)) == 0

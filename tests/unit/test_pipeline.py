@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tiercache.backend import BackendContext
+from tiercache.backend import BackendContext, JobResult
 from tiercache.backends.disk import DiskBackend, DiskSettings
 from tiercache.device import CopySegment
 from tiercache.layout import KVBlockLayout
@@ -105,3 +105,62 @@ def test_without_lower_tiers_staged_jobs_fail_cleanly(tmp_path: pathlib.Path) ->
     results = {r.job_id: r for r in pipe.wait_for([1, 2])}
     assert results[1].failed_keys == (key(1),) and results[2].failed_keys == (key(1),)
     pipe.shutdown()
+
+
+class CopyingBlockReader:
+    """A direct tier for the pipeline's contract: "reads" chunks from a dict into the engine blocks.
+
+    The real one (NIXL READs from a producer) is tested in tests/integration/test_pd_direct.py.
+    """
+
+    def __init__(self, kvs: dict[str, torch.Tensor], source: dict[bytes, list[torch.Tensor]]) -> None:
+        self.kvs, self.source = kvs, source
+        self.done: list = []
+
+    def submit_blocks(self, job_id, keys, segments) -> None:  # type: ignore[no-untyped-def]
+        ok, failed, moved = [], [], 0
+        for k, seg in zip(keys, segments):
+            if k not in self.source:
+                failed.append(k)
+                continue
+            for t, src in zip(self.kvs.values(), self.source[k]):
+                t[list(seg.block_ids)] = src[seg.first_block:seg.first_block + len(seg.block_ids)]
+                moved += src[0].numel() * src.element_size() * len(seg.block_ids)
+            ok.append(k)
+        self.done.append(JobResult(job_id, tuple(ok), tuple(failed), moved, 0.0))
+
+    def poll_blocks(self) -> list:
+        out, self.done = self.done, []
+        return out
+
+
+def test_direct_chunks_load_beside_host_chunks_in_one_job(setup) -> None:  # type: ignore[no-untyped-def]
+    pipe, kvs, _disk = setup
+    gen = torch.Generator().manual_seed(5)
+    remote = [torch.randn(BPC, 2, 32, 2, 16, generator=gen) for _ in kvs]
+    pipe.block_readers["peer_direct"] = CopyingBlockReader(kvs, {key(7): remote})
+    expected_host = blocks(kvs, [1, 2])
+    pipe.submit(TransferJobSpec(1, "r", "store", (key(1),), (CopySegment(0, 0, (1, 2)),)))
+    assert pipe.wait_for([1])[0].ok
+    before_failed = blocks(kvs, [14, 15])
+    spec = TransferJobSpec(2, "r", "load", (key(1), key(7), key(8)),
+                           (CopySegment(0, 0, (9, 10)), CopySegment(-1, 0, (11, 12)), CopySegment(-1, 0, (14, 15))))
+    pipe.submit(spec, (None, "peer_direct", "peer_direct"))
+    (res,) = pipe.wait_for([2])
+    assert set(res.ok_keys) == {key(1), key(7)} and res.failed_keys == (key(8),)
+    for got, want in zip(blocks(kvs, [9, 10]), expected_host):
+        assert torch.equal(got, want)  # the host chunk was copied
+    for got, want in zip(blocks(kvs, [11, 12]), remote):
+        assert torch.equal(got, want)  # the direct chunk was read straight into its blocks
+    for got, want in zip(blocks(kvs, [14, 15]), before_failed):
+        assert torch.equal(got, want)
+    assert res.bytes > sum(t[0].numel() * 4 * 2 for t in kvs.values())  # both parts counted
+
+
+def test_a_job_of_direct_chunks_only_never_touches_the_host_tier(setup) -> None:  # type: ignore[no-untyped-def]
+    pipe, kvs, _disk = setup
+    remote = [torch.full((BPC, 2, 32, 2, 16), 3.0) for _ in kvs]
+    pipe.block_readers["peer_direct"] = CopyingBlockReader(kvs, {key(4): remote})
+    pipe.submit(TransferJobSpec(3, "r", "load", (key(4),), (CopySegment(-1, 1, (6,)),)), ("peer_direct",))
+    (res,) = pipe.wait_for([3])
+    assert res.ok_keys == (key(4),) and all(torch.equal(t[6], r[1]) for t, r in zip(kvs.values(), remote))

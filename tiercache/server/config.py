@@ -17,18 +17,14 @@ the host tier holds ``capacity // slot_bytes`` chunks of any size up to
 
 from __future__ import annotations
 
-import contextvars
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from tiercache.config import ByteSize, ConfigError, MetricsConfig, TierConfig, _read_yaml
-
-_yaml_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
-    "tiercache_server_yaml", default=None
-)
+from tiercache.config import ByteSize, MetricsConfig, TierConfig
+from tiercache.yaml_config import YamlFileSource, load_settings
 
 DEFAULT_PORT = 7470
 
@@ -129,37 +125,20 @@ class ServerConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _YamlSource(settings_cls))
+        return (init_settings, env_settings, YamlFileSource(settings_cls))
 
     @property
     def token(self) -> str | None:
         return self.auth_token.get_secret_value() if self.auth_token is not None else None
 
 
-class _YamlSource(PydanticBaseSettingsSource):
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        raise NotImplementedError
-
-    def __call__(self) -> dict[str, Any]:
-        path = _yaml_path.get()
-        return _read_yaml(path) if path is not None else {}
-
-
 def load_server_config(config_file: str | Path | None = None, **overrides: Any) -> ServerConfig:
-    """Build the server config; ConfigError naming every offending key."""
-    path = Path(config_file).expanduser() if config_file else None
-    if path is not None and not path.is_file():
-        raise ConfigError(f"config_file: no such file: {path}")
-    token = _yaml_path.set(path)
-    try:
-        return ServerConfig(**overrides)
-    except ValidationError as exc:
-        where = f" (config_file {path})" if path else ""
-        lines = [f"invalid tiercache server config{where}:"]
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"])
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"  {key}: {msg}" if key else "  " + msg.removeprefix("Value error, "))
-        raise ConfigError("\n".join(lines)) from None
-    finally:
-        _yaml_path.reset(token)
+    """Build the server config; ConfigError naming every offending key.
+
+    Unlike the engine's config errors, these do not echo the values given: a
+    mistyped key could hold the ``auth_token``.
+    """
+    return load_settings(
+        ServerConfig, config_file, overrides, title="invalid tiercache server config",
+        show_input=False,
+    )

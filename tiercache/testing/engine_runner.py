@@ -88,7 +88,7 @@ DEFAULT_ENV: dict[str, str] = {
 }
 METRIC_NAME_PARTS = (
     "kv_connector", "prefix_cache", "external", "prompt_tokens_cached", "num_preemptions",
-    "prompt_tokens_by_source", "nixl",
+    "prompt_tokens_by_source", "nixl", "kv_cache_usage",
 )
 IGNORED_METRIC_LABELS = ("model_name", "engine")
 LOG_TAIL_CHARS = 4000
