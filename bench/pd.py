@@ -78,7 +78,7 @@ def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, me
     else:
         # a pure decode engine, like NixlConnector's: what arrives is not copied again into the host tier
         extra["pd"] = {"read_timeout_s": 30, "keep_received": False}
-        extra["load_mode"] = "async"
+        extra["load_mode"] = args.consumer_load_mode
     return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
             "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
             "kv_connector_extra_config": extra}
@@ -258,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per engine")
     parser.add_argument("--host-gib", type=int, default=2, help="tiercache host tier per engine")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--consumer-load-mode", default="async", choices=("async", "sync"),
+                        help="tiercache consumer's load_mode: async (off the batch, like NixlConnector) "
+                        "or sync (the READ runs before the forward pass of the same step)")
     parser.add_argument("--raw-seconds", type=float, default=2.0, help="raw NIXL measurement time")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     args = parser.parse_args(argv)

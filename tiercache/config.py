@@ -96,8 +96,8 @@ class PDConfig(_Frozen):
     )
     busy_progress: bool | None = Field(
         default=None,
-        description="Producer: while hand-offs are held, progress UCX continuously (every 0.2 ms; "
-        "needed when reads go over tcp) instead of looking for read notifications every 5 ms. "
+        description="Producer: while hand-offs are held, run a thread that progresses UCX every "
+        "0.2 ms (needed when reads go over tcp; with one-sided transports nothing needs it). "
         "Default: on with nixl_error_handling peer, off with none.",
     )
     host: str = Field(

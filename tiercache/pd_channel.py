@@ -41,9 +41,9 @@ way. Mode direct: one tag per KV block, set while the block is held for a
 hand-off (see :meth:`ProducerEndpoint.hold_blocks`).
 
 :class:`ProducerEndpoint` (producer worker): a side-channel thread answers
-handshakes at once (blocked in ``select`` otherwise), and the worker calls
-:meth:`ProducerEndpoint.service` every engine step to collect the consumers'
-read notifications. With UCX error handling ``none`` (the default, see
+handshakes and records read notices at once (blocked in ``select``
+otherwise), and the worker calls :meth:`ProducerEndpoint.service` every
+engine step to collect the request ids read since (and progress UCX). With UCX error handling ``none`` (the default, see
 :func:`make_agent`) a consumer's READ needs nothing from the producer's CPU
 (one-sided CMA / shared memory on one host), so an idle producer may stop
 stepping: what it hears is handled at its next step. With ``peer`` (tcp on
@@ -62,7 +62,7 @@ agent loaded into the consumer's agent.
 Threads: every public ProducerEndpoint method on the worker thread only;
 the side-channel thread owns the sockets and reads only fields fixed before
 it serves (``blocks``, the tag arrays' addresses); the progress thread only
-collects notifications. The NIXL agent's calls from more than one thread are
+progresses UCX (through ``get_new_notifs``). The NIXL agent's calls from more than one thread are
 serialised by ``_agent_lock``, the collected ids by ``_read_lock``.
 """
 

@@ -25,7 +25,7 @@ from tiercache.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout  # noqa: E402
 from tiercache.pd_blocks import BlockRegions  # noqa: E402
 from tiercache.pd_channel import ProducerEndpoint  # noqa: E402
-from tests.integration.test_pd_channel import FP, Stepper  # noqa: E402
+from tests.integration.test_pd_channel import FP, Stepper, wait_result  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
 
 BLOCKS = 16
@@ -43,14 +43,8 @@ def regions(kv: dict[str, torch.Tensor]) -> BlockRegions:
     return BlockRegions.from_layout(KVBlockLayout.from_kv_caches(kv, BLOCKS))
 
 
-def wait_blocks(peer: NixlPeerTier, timeout: float = 30) -> JobResult:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done = peer.poll_blocks()
-        if done:
-            return done[0]
-        time.sleep(0.01)
-    raise AssertionError("no result")
+def wait_blocks(peer: NixlPeerTier) -> JobResult:
+    return wait_result(peer, blocks=True)
 
 
 def same_block(a: dict[str, torch.Tensor], ab: int, b: dict[str, torch.Tensor], bb: int) -> bool:
