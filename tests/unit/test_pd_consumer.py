@@ -1,0 +1,72 @@
+"""The P/D consumer's scheduler half without an engine: a mode-direct hand-off's load plan.
+
+vLLM's request, block and scheduler-output objects are stood in for by plain
+namespaces carrying the fields the connector reads (the real engine path is
+tests/e2e/test_pd.py). Checks: a direct hand-off loads from tier ``peer_direct``
+with no host slot, the worker is told where each key lives, and
+``pd.keep_received`` decides whether those chunks are offered to the host tier
+afterwards.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tiercache.backends.nixl_peer import PEER_DIRECT_TIER  # noqa: E402
+from tiercache.config import load_config  # noqa: E402
+from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry  # noqa: E402
+from tiercache.connector.scheduler import TierCacheScheduler  # noqa: E402
+from tiercache.handoff import Handoff  # noqa: E402
+
+BLOCK = 32
+PROMPT = 4 * BLOCK + 8  # 4 full chunks (one block each) and a tail
+
+
+def consumer(keep_received: bool) -> TierCacheScheduler:
+    config = load_config(chunk_tokens=BLOCK, tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}],
+                         pd={"keep_received": keep_received})
+    engine = EngineGeometry(model="m", kv_dtype="torch.float32", kv_layout="NHD", block_size=BLOCK, tp_size=1,
+                            world_size=1, bytes_per_block=4096, hash_algo="sha256")
+    sched = TierCacheScheduler(config, ChunkGeometry.build(config, engine), kv_role="kv_consumer")
+    sched.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda rid: ([20, 21, 22, 23, 24],)))  # type: ignore[arg-type]
+    return sched
+
+
+def direct_request(sched: TierCacheScheduler) -> Any:
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    keys = tuple(sched.keys.chunk_keys(hashes))
+    assert sched.pd is not None
+    params = Handoff("prod", "127.0.0.1", 5700, "p-1", keys, (7, 8, 9, 10), sched.pd.fingerprint,
+                     mode="direct").to_params()
+    return SimpleNamespace(request_id="c-1", block_hashes=hashes, num_tokens=PROMPT, num_prompt_tokens=PROMPT,
+                           num_computed_tokens=0, kv_transfer_params=params)
+
+
+def load_then_step(sched: TierCacheScheduler) -> tuple[Any, Any]:
+    req = direct_request(sched)
+    hit, _async = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    assert hit == 4 * BLOCK
+    blocks = SimpleNamespace(get_block_ids=lambda: ([20, 21, 22, 23, 24],))
+    sched.update_state_after_alloc(req, blocks, hit)  # type: ignore[arg-type]
+    req.num_computed_tokens = hit  # vLLM counts the loaded tokens; this step computes the last 8
+    meta = sched.build_connector_meta(SimpleNamespace(  # type: ignore[arg-type]
+        num_scheduled_tokens={"c-1": 8}, finished_req_ids=set(), preempted_req_ids=None))
+    return req, meta
+
+
+@pytest.mark.parametrize("keep_received", [True, False])
+def test_direct_hand_off_loads_into_blocks_and_keep_received_decides_the_store(keep_received: bool) -> None:
+    sched = consumer(keep_received)
+    _req, meta = load_then_step(sched)
+    (load,) = meta.loads
+    assert [seg.slot for seg in load.segments] == [-1, -1, -1, -1]  # no host staging slot
+    assert [seg.block_ids for seg in load.segments] == [(20,), (21,), (22,), (23,)]
+    assert meta.staging[load.job_id] == (PEER_DIRECT_TIER,) * 4
+    assert [meta.peer_sources[k].blocks for k in load.keys] == [(7,), (8,), (9,), (10,)]
+    # the loaded chunks are offered to the host tier (a copy out of the blocks) only when kept
+    assert [len(s.keys) for s in meta.stores] == ([4] if keep_received else [])
