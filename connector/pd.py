@@ -113,6 +113,11 @@ class PDScheduler:
     def held_chunks(self) -> int:
         return sum(len(h.keys) for h in self._holds.values())
 
+    @property
+    def marks_prefills(self) -> bool:
+        """A producer in mode direct: prompts completed in a step get their blocks marked."""
+        return self.is_producer and self.settings.mode == "direct"
+
     def has_pending(self) -> bool:
         """The engine must run another step: marks or releases to deliver, or tcp reads to progress."""
         if self._new_direct or self._unmark_direct or self._released_direct:
@@ -122,7 +127,7 @@ class PDScheduler:
     def _direct_hold(self, request: Request, block_ids: list[int]) -> DirectHold | None:
         """The prompt's full chunks and their blocks (None: not a mode-direct hand-off)."""
         params = request.kv_transfer_params or {}
-        if not (self.is_producer and self.settings.mode == "direct" and params.get("do_remote_decode")):
+        if not (self.marks_prefills and params.get("do_remote_decode")):
             return None
         keys = self.keys.chunk_keys(request.block_hashes)
         bpc = self.blocks_per_chunk
@@ -152,8 +157,6 @@ class PDScheduler:
         params = request.kv_transfer_params or {}
         if not self.is_producer or not params.get("do_remote_decode"):
             return False, None
-        keys = self.keys.chunk_keys(request.block_hashes)
-        prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
         deadline = time.monotonic() + self.settings.handoff_timeout_s
         delay_free = False
         if self.settings.mode == "direct":
@@ -172,7 +175,8 @@ class PDScheduler:
                 self._holds[rid] = _Hold(held, deadline, direct=True)
                 delay_free = True
         else:
-            held = self.manager.hold(keys[:prompt_chunks])
+            prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
+            held = self.manager.hold(self.keys.chunk_keys(request.block_hashes)[:prompt_chunks])
             where = self.manager.host_slots(held)
             if held:
                 self._holds[request.request_id] = _Hold(held, deadline)

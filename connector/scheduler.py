@@ -243,7 +243,8 @@ class TierCacheScheduler:
                 job = self._plan_store(req_id, st, num_new)
                 if job is not None:
                     stores.append(job)
-                if self.pd is not None and st.request.num_computed_tokens + num_new >= st.request.num_prompt_tokens:
+                if (self.pd is not None and self.pd.marks_prefills
+                        and st.request.num_computed_tokens + num_new >= st.request.num_prompt_tokens):
                     assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
                     self.pd.mark_prefill(st.request, self._kv_cache_manager.get_block_ids(req_id)[0])
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():

@@ -198,8 +198,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return self._s().request_finished(request, block_ids[0] if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
-        # A P/D producer serves handshakes and read notifications between steps: while
-        # hand-offs are held, the engine must keep stepping even with no request left.
+        # A P/D producer's worker learns of hand-off marks and releases only in a step, and
+        # with tcp transports progresses UCX while hand-offs are held: keep the engine stepping
+        # then, even with no request left (see PDScheduler.has_pending).
         return self._scheduler is not None and self._scheduler.has_pending_handoffs()
 
     def take_events(self) -> Iterable["KVCacheEvent"]:

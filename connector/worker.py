@@ -173,8 +173,8 @@ class TierCacheWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         if self.handoff is not None:
-            # Every step (the engine keeps stepping while hand-offs are held): answer
-            # handshakes, progress UCX for the consumers' READs, hear of finished reads.
+            # Each step: the hand-offs consumers reported read (the side-channel thread
+            # heard them meanwhile); mode direct: their blocks go back to vLLM.
             read = self.handoff.service()
             self._report.handoffs_read |= read
             self._finished_sending.update(rid for rid in read if self.handoff.release_blocks(rid))

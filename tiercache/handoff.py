@@ -33,7 +33,6 @@ from tiercache.keys import Namespace
 
 PARAMS_VERSION = 3
 MODES = ("via_host", "direct")
-NOTIF_PREFIX = b"tiercache-read:"  # + the producer's request id, sent with the consumer's NIXL read
 
 
 class HandoffError(ValueError):

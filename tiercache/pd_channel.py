@@ -43,8 +43,8 @@ hand-off (see :meth:`ProducerEndpoint.hold_blocks`).
 :class:`ProducerEndpoint` (producer worker): a side-channel thread answers
 handshakes and records read notices at once (blocked in ``select``
 otherwise), and the worker calls :meth:`ProducerEndpoint.service` every
-engine step to collect the request ids read since (and progress UCX). With UCX error handling ``none`` (the default, see
-:func:`make_agent`) a consumer's READ needs nothing from the producer's CPU
+engine step to collect the request ids read since (and progress UCX). With
+UCX error handling ``none`` (the default, see :func:`make_agent`) a consumer's READ needs nothing from the producer's CPU
 (one-sided CMA / shared memory on one host), so an idle producer may stop
 stepping: what it hears is handled at its next step. With ``peer`` (tcp on
 one host) a READ moves only while the producer's UCX worker is progressed:
@@ -62,8 +62,8 @@ agent loaded into the consumer's agent.
 Threads: every public ProducerEndpoint method on the worker thread only;
 the side-channel thread owns the sockets and reads only fields fixed before
 it serves (``blocks``, the tag arrays' addresses); the progress thread only
-progresses UCX (through ``get_new_notifs``). The NIXL agent's calls from more than one thread are
-serialised by ``_agent_lock``, the collected ids by ``_read_lock``.
+progresses UCX. The NIXL agent's calls from more than one thread are
+serialised by ``_agent_lock``, the read request ids by ``_read_lock``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from tiercache.handoff import NOTIF_PREFIX, mismatches
+from tiercache.handoff import mismatches
 from tiercache.pd_blocks import BlockRegions
 
 logger = logging.getLogger(__name__)
@@ -261,8 +261,8 @@ class ProducerEndpoint:
             self._holding.clear()
 
     def service(self) -> set[str]:
-        """Progress UCX and collect notifications: the producer request ids read since last time."""
-        self._collect_notifs()
+        """Progress UCX; the producer request ids consumers reported read since last time."""
+        self._progress_ucx()
         with self._read_lock:
             out, self._read = self._read, set()
         return out
@@ -291,7 +291,7 @@ class ProducerEndpoint:
             # back only every switch interval (5 ms) beside the worker's spinning loop.
             burst_end = time.monotonic() + PROGRESS_BURST_S
             while time.monotonic() < burst_end:
-                self._collect_notifs()
+                self._progress_ucx()
             time.sleep(PROGRESS_INTERVAL_S)
 
     def _accept(self) -> None:
@@ -378,18 +378,13 @@ class ProducerEndpoint:
             answer["block_tags_addr"] = int(self.block_tags.ctypes.data)
         return answer
 
-    def _collect_notifs(self) -> None:
+    def _progress_ucx(self) -> None:
+        """One round of this agent's UCX worker (read notices come over the side channel instead)."""
         try:
             with self._agent_lock:
-                notifs = self.agent.get_new_notifs()  # also progresses this agent's UCX worker
+                self.agent.get_new_notifs()  # the Python API's way to progress the UCX worker
         except Exception:  # noqa: BLE001 - a NIXL hiccup must not end the producer
-            logger.warning("tiercache P/D: reading NIXL notifications failed", exc_info=True)
-            return
-        done = {m[len(NOTIF_PREFIX):].decode(errors="replace")
-                for msgs in notifs.values() for m in msgs if m.startswith(NOTIF_PREFIX)}
-        if done:
-            with self._read_lock:
-                self._read |= done
+            logger.warning("tiercache P/D: progressing UCX failed", exc_info=True)
 
     def close(self) -> None:
         self._closed = True
@@ -422,15 +417,22 @@ class PeerLink:
             sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
             raise ChannelError(f"producer {self.address} unreachable: {exc}") from exc
+        self._sock = sock  # kept open: read notices go over it
         try:
-            send_message(sock, {"op": "hello", "fingerprint": fingerprint})
-            reply = recv_message(sock)
+            metadata = self._hello(fingerprint)
+        except ChannelError:
+            sock.close()
+            raise
+        name = agent.add_remote_agent(metadata)
+        self.agent_name = name.decode() if isinstance(name, bytes) else str(name)
+
+    def _hello(self, fingerprint: dict[str, Any]) -> bytes:
+        """The handshake: check the producer's answer, keep its addresses; its agent metadata."""
+        try:
+            send_message(self._sock, {"op": "hello", "fingerprint": fingerprint})
+            reply = recv_message(self._sock)
         except (OSError, ChannelError) as exc:
-            sock.close()
             raise ChannelError(f"producer {self.address}: hello: {exc}") from exc
-        if not reply.get("ok") or mismatches(fingerprint, reply.get("fingerprint") or {}):
-            sock.close()
-        self._sock = sock  # kept open: read notifications go over it
         if not reply.get("ok"):
             raise ChannelError(f"producer {self.address} refused us: {reply.get('error')}")
         diff = mismatches(fingerprint, reply.get("fingerprint") or {})
@@ -441,14 +443,12 @@ class PeerLink:
             self.slot_bytes = int(reply["slot_bytes"])
             self.num_slots = int(reply["num_slots"])
             self.tags_addr = int(reply["tags_addr"])
-            metadata = reply["metadata"]
             # mode direct: the producer's KV blocks and their tags (absent when it exposes none)
             self.blocks = BlockRegions.from_wire(reply["blocks"]) if "blocks" in reply else None
             self.block_tags_addr = int(reply.get("block_tags_addr", 0))
+            return bytes(reply["metadata"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ChannelError(f"producer {self.address}: malformed hello answer: {exc!r}") from exc
-        name = agent.add_remote_agent(metadata)
-        self.agent_name = name.decode() if isinstance(name, bytes) else str(name)
 
     def notify_read(self, request_id: str) -> None:
         """Tell the producer its hand-off ``request_id`` was read (one-way; it releases the chunks)."""
