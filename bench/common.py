@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -85,6 +86,21 @@ def describe_machine(info: Mapping[str, Any]) -> str:
         f"{info['cpu']} ({info['usable_cpus']} usable cpus{load_s}), "
         f"{info['python']}, {info['os']}"
     )
+
+
+# ----------------------------------------------------------------------------- ceilings
+def repeat_nixl_transfer(agent: Any, handle: Any, nbytes: int, seconds: float) -> float:
+    """GB/s of a prepared NIXL transfer of ``nbytes``, posted back to back for ``seconds`` (the raw ceiling)."""
+    moved, started = 0, time.perf_counter()
+    while True:
+        state = agent.transfer(handle)
+        while state not in ("DONE", "ERR"):
+            state = agent.check_xfer_state(handle)
+        if state == "ERR":
+            raise RuntimeError("raw NIXL transfer failed")
+        moved += nbytes
+        if time.perf_counter() - started >= seconds:
+            return moved / (time.perf_counter() - started) / 1e9
 
 
 # ------------------------------------------------------------------------------ results

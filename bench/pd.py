@@ -42,7 +42,6 @@ import multiprocessing as mp
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_info, print_table, write_result  # noqa: E402
+from bench.common import machine_info, print_table, repeat_nixl_transfer, write_result  # noqa: E402
 from tiercache.testing.engine_runner import EngineRun, random_prompts  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
 from tiercache.testing.random_llama import make_model_dir  # noqa: E402
@@ -222,19 +221,9 @@ def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float, error_handling:
                                      for i in range(chunks)], "DRAM")
         theirs = agent.get_xfer_descs([(remote_addr + i * chunk_bytes, chunk_bytes, 0) for i in range(chunks)], "DRAM")
         handle = agent.initialize_xfer("READ", mine, theirs, peer)
-        moved, started = 0, time.perf_counter()
-        while True:
-            state = agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                state = agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise RuntimeError("raw NIXL READ failed")
-            moved += local.nbytes
-            if time.perf_counter() - started >= seconds:
-                break
-        elapsed = time.perf_counter() - started
+        gbps = repeat_nixl_transfer(agent, handle, local.nbytes, seconds)
         agent.release_xfer_handle(handle)
-        return moved / elapsed / 1e9
+        return gbps
     finally:
         parent.send("stop")
         proc.join(timeout=10)

@@ -60,7 +60,7 @@ import numpy as np
 import yaml
 from tiercache.backends.server import ServerBackend, ServerSettings
 
-from bench.common import describe_machine, machine_info, print_table, write_result
+from bench.common import describe_machine, machine_info, print_table, repeat_nixl_transfer, write_result
 from tiercache.backend import BackendContext
 from tiercache.server.client import ServerClient
 from tiercache.server.nixl_path import nixl_available
@@ -122,19 +122,9 @@ def raw_nixl_server(port: int, nbytes: int) -> None:
         mine = agent.get_xfer_descs([(local.ctypes.data + i * chunk, chunk, 0) for i in range(count)], "DRAM")
         theirs = agent.get_xfer_descs([(addr + i * chunk, chunk, 0) for i in range(count)], "DRAM")
         handle = agent.initialize_xfer(job["op"], mine, theirs, peer)
-        moved, started = 0, time.perf_counter()
-        while True:
-            state = agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                state = agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise RuntimeError("raw NIXL transfer failed")
-            moved += chunk * count
-            if time.perf_counter() - started >= job["seconds"]:
-                break
-        elapsed = time.perf_counter() - started
+        gbps = repeat_nixl_transfer(agent, handle, chunk * count, job["seconds"])
         agent.release_xfer_handle(handle)
-        stream.write(json.dumps({"gbps": moved / elapsed / 1e9}).encode() + b"\n")
+        stream.write(json.dumps({"gbps": gbps}).encode() + b"\n")
         stream.flush()
 
 
