@@ -66,6 +66,10 @@ logger = logging.getLogger(__name__)
 
 PEER_TIER = "peer"
 PEER_DIRECT_TIER = "peer_direct"
+# transfer-metric paths of the NIXL READs alone (tiercache_transfer_*{path=...}): into the
+# consumer's host slots (via_host) or straight into its KV blocks (direct)
+PEER_TO_HOST = "peer_to_host"
+PEER_TO_DEVICE = "peer_to_device"
 _HELLO_ATTEMPT_S = 1.0
 _TAG_POLL_S = 0.001
 _POLL_BURST_S = 0.002
@@ -135,6 +139,7 @@ class NixlPeerTier(Backend):
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._done: list[JobResult] = []
         self._done_blocks: list[JobResult] = []
+        self._transfers: list[tuple[str, int, float]] = []  # (path, bytes, seconds) per READ
         self._lock = threading.Lock()
         self.counters = {"read_chunks": 0, "read_bytes": 0, "failed_chunks": 0, "refused_peers": 0,
                          "hello_retries": 0, "stale_chunks": 0, "inline_jobs": 0}
@@ -196,6 +201,22 @@ class NixlPeerTier(Backend):
         with self._lock:
             out, self._done_blocks = self._done_blocks, []
         return out
+
+    def take_transfers(self) -> list[tuple[str, int, float]]:
+        """The NIXL transfers finished since the last call: (path, bytes, seconds) each.
+
+        Seconds run from posting a hand-off's data READ to its tags checked (the
+        READs and any re-reads; not the handshake, the notice or the queueing):
+        what vLLM's NixlConnector reports as ``nixl_xfer_time_seconds``.
+        """
+        with self._lock:
+            out, self._transfers = self._transfers, []
+        return out
+
+    def _record_transfer(self, path: str, num_bytes: int, secs: float) -> None:
+        if num_bytes:
+            with self._lock:
+                self._transfers.append((path, num_bytes, secs))
 
     def delete(self, keys: Sequence[bytes]) -> None:
         return None  # the producer releases its own chunks (notification or timeout)
@@ -307,6 +328,7 @@ class NixlPeerTier(Backend):
             arrived: list[bytes] = []
             pending = list(range(len(keys)))
             rounds = 0
+            t0 = time.monotonic()
             while pending:
                 rounds += 1
                 local = [(_address(views[i]), self.chunk_bytes, 0) for i in pending]
@@ -332,6 +354,7 @@ class NixlPeerTier(Backend):
                                        len(pending), link.address)
                         break
                     time.sleep(_TAG_POLL_S)
+            self._record_transfer(PEER_TO_HOST, len(arrived) * self.chunk_bytes, time.monotonic() - t0)
             self._notify(link, src)
             logger.debug("tiercache P/D: %d/%d chunks from %s in %.1f ms (%d rounds)", len(arrived), len(keys),
                          link.address, (time.monotonic() - start) * 1e3, rounds)
@@ -384,11 +407,14 @@ class NixlPeerTier(Backend):
                 link.agent_name), deadline)
             t1 = time.monotonic()
             bad = self._await_block_tags(link, theirs_b, tag_of_block, owner, deadline, wait)
-            self._notify(link, src)
+            t2 = time.monotonic()
             arrived = [k for i, k in enumerate(keys) if i not in bad]
+            moved = sum(len(seg.block_ids) for i, seg in enumerate(segments) if i not in bad)
+            self._record_transfer(PEER_TO_DEVICE, moved * sum(self.blocks.pages), t2 - t0)
+            self._notify(link, src)
             logger.debug("tiercache P/D: %d/%d chunks (%d blocks) from %s: handshake %.1f ms, READ %.1f ms, "
                          "tags %.1f ms", len(arrived), len(keys), len(theirs_b), link.address, (t0 - start) * 1e3,
-                         (t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3)
+                         (t1 - t0) * 1e3, (t2 - t1) * 1e3)
             return arrived
         except (ChannelError, OSError) as exc:
             self._failed(src, len(keys), start, exc)

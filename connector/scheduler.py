@@ -30,6 +30,7 @@ from tiercache.transfer import TransferJobSpec
 from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
 
 from tiercache.backends.nixl_peer import PEER_DIRECT_TIER, PEER_TIER, PeerChunk
+from tiercache.connector.block_pins import VllmBlockPins
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PDScheduler, pd_settings
@@ -116,6 +117,8 @@ class TierCacheScheduler:
     # ------------------------------------------------------------ plumbing
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         self._kv_cache_manager = kv_cache_manager
+        if self.pd is not None and self.pd.marks_prefills:
+            self.pd.bind_pins(VllmBlockPins.of(kv_cache_manager))  # mode direct pins hand-off blocks
 
     def _state(self, request: "Request") -> _RequestState:
         st = self._reqs.get(request.request_id)
@@ -337,6 +340,10 @@ class TierCacheScheduler:
         if self.pd is not None and worker_meta.handoffs_read:
             self.pd.handoffs_read(worker_meta.handoffs_read)
             self._publish_pd_metrics()  # the engine may go idle now: no later step would
+        if self.pd is not None and worker_meta.blocks_released:
+            self.pd.blocks_released(worker_meta.blocks_released)  # mode direct: unpinned, vLLM's again
+        for path, num_bytes, secs in worker_meta.transfers:
+            self.metrics.observe_transfer(path, num_bytes, secs)  # P/D consumer: the NIXL READs alone
         for job_id, report in worker_meta.done.items():
             rec = self._jobs.get(job_id)
             if rec is None:
@@ -391,8 +398,8 @@ class TierCacheScheduler:
     # ------------------------------------------------------------ the rest
     def request_finished(self, request: "Request", block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
         # Stores for the request's last step were planned in that step's metadata and
-        # are fenced by the worker before the next forward pass: nothing to delay,
-        # except a P/D hand-off in mode direct (the consumer reads the blocks).
+        # are fenced by the worker before the next forward pass: nothing to delay
+        # (a P/D hand-off in mode direct pins its blocks instead: connector/pd.py).
         self._reqs.pop(request.request_id, None)
         if self._shared is not None:
             self._shared.forget(request.request_id)

@@ -32,6 +32,7 @@ from tiercache.metrics import TierCacheMetrics
 
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry
 from tiercache.connector.events import to_vllm_events
+from tiercache.connector.logs import adopt_vllm_logging
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.stats import TierCacheStats
@@ -80,6 +81,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_role: TierCacheConnector supports {SUPPORTED_ROLES}, got {transfer.kv_role!r}"
             )
         self.config = config_from_extra(transfer.kv_connector_extra_config)
+        adopt_vllm_logging(self.config.log_level)
         assert kv_cache_config is not None, "vLLM must pass kv_cache_config to connectors"
         geometry = ChunkGeometry.build(self.config, EngineGeometry.from_vllm(vllm_config, kv_cache_config))
         self._scheduler: TierCacheScheduler | None = None

@@ -61,7 +61,6 @@ class TierCacheWorker:
         self._loads: dict[int, TransferJobSpec] = {}
         self._sync_jobs: set[int] = set()
         self._finished_recving: set[str] = set()
-        self._finished_sending: set[str] = set()  # P/D direct: hand-offs whose blocks vLLM may free
         self._invalid_blocks: set[int] = set()
         self._report = TierCacheWorkerMetadata()
 
@@ -73,12 +72,15 @@ class TierCacheWorker:
                 f"tiercache: the KV tensors hold {layout.bytes_per_block} bytes per block, the "
                 f"KV-cache config says {expected}; unsupported KV layout"
             )
+        prefault = self.config.host_options.prefault
         transfer = TransferEngine(
             layout,
             self.geometry.blocks_per_chunk,
             self.geometry.host_slots,
             faults=self.config.faults,
             copy_threads=self.config.copy_threads,
+            # P/D: NIXL reads land in (consumer) or are served from (producer) host slots
+            prefault_host=self.pd is not None if prefault is None else prefault,
         )
         keyspace = self.geometry.keyspace(self.config)
         digest = keyspace.digest
@@ -109,7 +111,7 @@ class TierCacheWorker:
             layout.bytes_per_block,
             self.geometry.host_slots,
             self.geometry.slot_bytes,
-            "pinned" if transfer.host.pinned else "pageable",
+            "pinned" if transfer.host.pinned else "pageable, prefaulted" if transfer.host.prefaulted else "pageable",
             sorted(backends) or "none",
         )
 
@@ -129,8 +131,8 @@ class TierCacheWorker:
             for rid in meta.direct_unmarks:
                 self.handoff.release_blocks(rid)  # vLLM frees these blocks itself: nothing to report
             for rid in meta.direct_released:
-                if self.handoff.release_blocks(rid):
-                    self._finished_sending.add(rid)  # expired: vLLM frees the blocks
+                self.handoff.release_blocks(rid)  # cleared here (now or at the read): the scheduler unpins
+                self._report.blocks_released[rid] = {self.rank}
         self._invalid_blocks.update(meta.invalid_block_ids)
         if self.peer is not None and meta.peer_sources:
             self.peer.expect(meta.peer_sources)
@@ -177,12 +179,15 @@ class TierCacheWorker:
             # heard them meanwhile); mode direct: their blocks go back to vLLM.
             read = self.handoff.service()
             self._report.handoffs_read |= read
-            self._finished_sending.update(rid for rid in read if self.handoff.release_blocks(rid))
+            for rid in read:
+                if self.handoff.release_blocks(rid):  # mode direct: tags cleared, the scheduler unpins
+                    self._report.blocks_released[rid] = {self.rank}
         if self.engine is not None:
             self._absorb(self.engine.poll())
+        if self.peer is not None:
+            self._report.transfers += self.peer.take_transfers()
         recving, self._finished_recving = self._finished_recving, set()
-        sending, self._finished_sending = self._finished_sending, set()
-        return sending, recving
+        return set(), recving  # nothing is "sending": a producer's hand-offs never delay vLLM's frees
 
     def _absorb(self, results: list) -> None:
         for res in results:
@@ -219,7 +224,8 @@ class TierCacheWorker:
         return invalid
 
     def build_worker_meta(self) -> TierCacheWorkerMetadata | None:
-        if not self._report.done and not self._report.handoffs_read:
+        if not (self._report.done or self._report.handoffs_read or self._report.transfers
+                or self._report.blocks_released):
             return None
         report, self._report = self._report, TierCacheWorkerMetadata()
         return report

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tiercache.sizes import parse_size
@@ -32,6 +32,11 @@ from tiercache.yaml_config import YamlFileSource as _YamlSource
 
 ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 PolicyName = Literal["lru", "arc"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def _upper(value: Any) -> Any:
+    return value.strip().upper() if isinstance(value, str) else value
 
 
 class _Frozen(BaseModel):
@@ -54,6 +59,19 @@ class TierConfig(_Frozen):
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Backend-specific settings, validated by the backend."
+    )
+
+
+class HostTierOptions(_Frozen):
+    """``options`` of the host (cpu) tier, the first in ``tiers``."""
+
+    prefault: bool | None = Field(
+        default=None,
+        description="Touch every page of the host slab at start-up, committing the whole capacity "
+        "at once. Otherwise pageable memory is committed as chunks arrive, and each first write "
+        "into a page costs a page fault: a NIXL read into never-touched slots ran about 40x slower "
+        "(docs/PERFORMANCE.md), host copies several times slower. Default: on for an engine in a "
+        "P/D role, off otherwise. A pinned slab (CUDA) is always committed.",
     )
 
 
@@ -83,8 +101,9 @@ class PDConfig(_Frozen):
         default="via_host",
         description="Producer: via_host (default): the prompt's chunks are copied into the host tier, "
         "registered with NIXL, and the device blocks are freed at once. direct: the device blocks "
-        "stay allocated (vLLM's delayed free) until the consumer has read them straight from the "
-        "engine's KV tensors (no host copy on either side), or until handoff_timeout_s.",
+        "stay allocated (pinned by tiercache in vLLM's block pool) until the consumer has read them "
+        "straight from the engine's KV tensors (no host copy on either side), or until "
+        "handoff_timeout_s.",
     )
     nixl_error_handling: Literal["none", "peer"] = Field(
         default="none",
@@ -169,6 +188,11 @@ class TierCacheConfig(BaseSettings):
         le=16,
         description="Host-side copy threads on the CPU platform (default: 2, at most the usable cores).",
     )
+    log_level: Annotated[LogLevel | None, BeforeValidator(_upper)] = Field(
+        default=None,
+        description="Level of tiercache's own log lines, which go to vLLM's log (default: vLLM's level, "
+        "VLLM_LOGGING_LEVEL). DEBUG shows each P/D read's timings.",
+    )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
     pd: PDConfig | None = Field(
@@ -188,6 +212,11 @@ class TierCacheConfig(BaseSettings):
                 f"tiers.0.backend: the first tier is the host staging tier and must be "
                 f"'cpu', got {self.tiers[0].backend!r}"
             )
+        try:
+            HostTierOptions(**self.tiers[0].options)
+        except ValidationError as exc:
+            wrong = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"tiers.0.options (host tier): {wrong} (allowed: prefault)") from None
         return self
 
     @classmethod
@@ -212,6 +241,10 @@ class TierCacheConfig(BaseSettings):
     @property
     def host_tier(self) -> TierConfig:
         return self.tiers[0]
+
+    @property
+    def host_options(self) -> HostTierOptions:
+        return HostTierOptions(**self.host_tier.options)
 
 
 def load_config(config_file: str | Path | None = None, **overrides: Any) -> TierCacheConfig:

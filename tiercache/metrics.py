@@ -33,7 +33,8 @@ class TierCacheMetrics:
         )
         self.transfer_seconds = Histogram(
             "tiercache_transfer_seconds",
-            "Seconds per transfer job, by path.",
+            "Seconds per transfer job, by path (peer_to_host / peer_to_device: a P/D consumer's NIXL "
+            "READs alone, data to tags checked).",
             labels + ["path"],
             buckets=_SECONDS_BUCKETS,
             registry=self.registry,

@@ -243,8 +243,8 @@ class ProducerEndpoint:
     def release_blocks(self, request_id: str) -> bool:
         """The hand-off ended (read or expired): its blocks are no longer readable.
 
-        True when the request held blocks here (the worker then reports it to
-        vLLM as finished sending, which frees the blocks).
+        True when the request held blocks here (the worker then reports them
+        cleared, and the scheduler unpins them: connector/block_pins.py).
         """
         held = self._held_blocks.pop(request_id, None)
         if held is None:

@@ -52,10 +52,11 @@ class TransferEngine:
         faults: FaultConfig | None = None,
         host: HostTier | None = None,
         copy_threads: int | None = None,
+        prefault_host: bool = False,
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = blocks_per_chunk
-        self.host = host or HostTier(num_slots, layout.slot_bytes(blocks_per_chunk))
+        self.host = host or HostTier(num_slots, layout.slot_bytes(blocks_per_chunk), prefault=prefault_host)
         if self.host.slot_bytes != layout.slot_bytes(blocks_per_chunk):
             raise ValueError(
                 f"host tier slot is {self.host.slot_bytes} bytes, the engine's chunk is "

@@ -2,7 +2,7 @@
 
 Every test runs for both producer modes: ``via_host`` (the prompt's chunks go
 through the producer's host tier) and ``direct`` (the consumer reads the
-producer's KV blocks, which vLLM keeps allocated until the hand-off ends).
+producer's KV blocks, which stay allocated, pinned by tiercache, until the hand-off ends).
 
 Engines (tiny random-weight Llama, float32), separate processes on loopback:
 
@@ -194,9 +194,14 @@ def test_read_handoffs_are_released_and_unread_ones_expire(runs: dict[str, Any])
     assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="read"') == len(A)
     assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="expired"') == len(B)
     assert sample(r1, "tiercache_pd_held_chunks") == 0
-    # mode direct: vLLM kept the hand-offs' blocks until they ended; now they are free again
+    # mode direct: the hand-offs' blocks stayed allocated (pinned) until they ended; now they are free again
     usage = [float(v) for k, v in r1["metrics"].items() if "kv_cache_usage" in k]
     assert usage and max(usage) == 0.0, r1["metrics"]
+    held = [float(v) for k, v in runs["producer_r0"]["metrics"].items() if "kv_cache_usage" in k]
+    if runs["mode"] == "direct":  # right after the prefills, nothing read yet: A's and B's blocks
+        assert held and max(held) > 0.0, runs["producer_r0"]["metrics"]
+    else:  # via_host: the chunks wait in the host tier, the blocks went back to vLLM at once
+        assert held and max(held) == 0.0, runs["producer_r0"]["metrics"]
 
 
 def test_dead_producer_means_recompute_with_identical_output(runs: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("nixl._api")
 
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.backends.nixl_peer import NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
+from tiercache.backends.nixl_peer import PEER_TO_HOST, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
 from tiercache.pd_channel import ProducerEndpoint  # noqa: E402
 from tests.e2e.conftest import free_port  # noqa: E402
 
@@ -105,6 +105,7 @@ def test_consumer_reads_producer_slots_byte_exact_and_producer_is_notified(pair)
     res = wait_result(peer)
     assert res.ok and res.bytes == 2 * SLOT
     assert torch.equal(cons[0], prod[2]) and torch.equal(cons[3], prod[5])
+    assert [(p, n) for p, n, _ in peer.take_transfers()] == [(PEER_TO_HOST, 2 * SLOT)]
     deadline = time.monotonic() + 10
     while not stepper.read and time.monotonic() < deadline:
         time.sleep(0.01)

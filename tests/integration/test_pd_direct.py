@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("nixl._api")
 
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.backends.nixl_peer import NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
+from tiercache.backends.nixl_peer import PEER_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
 from tiercache.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout  # noqa: E402
 from tiercache.pd_blocks import BlockRegions  # noqa: E402
@@ -86,6 +86,10 @@ def test_blocks_arrive_byte_exact_in_other_block_ids_and_the_producer_hears(dire
     assert res.bytes == 3 * page
     assert same_block(prod, 3, cons, 0) and same_block(prod, 4, cons, 1) and same_block(prod, 5, cons, 12)
     assert not same_block(prod, 9, cons, 11)  # untouched
+    # the transfer metric: the READ of what arrived, once (the worker hands it to the metrics)
+    [(path, moved, secs)] = peer.take_transfers()
+    assert path == PEER_TO_DEVICE and moved == 3 * page and secs > 0
+    assert peer.take_transfers() == []
     deadline = time.monotonic() + 10
     while "req-1" not in stepper.read and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -129,6 +133,7 @@ def test_released_and_reused_blocks_are_not_served(direct) -> None:
     peer.submit_blocks(3, [b"o" * 16], [CopySegment(-1, 0, (4, 5))])
     res = wait_blocks(peer)
     assert res.failed_keys == (b"o" * 16,) and peer.counters["stale_chunks"] == 1
+    assert peer.take_transfers() == []  # a stale chunk counts as no transfer
 
 
 def test_a_hold_never_marked_fails_within_the_timeout(direct) -> None:

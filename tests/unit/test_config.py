@@ -104,3 +104,13 @@ def test_shipped_configs_are_valid() -> None:
     assert files
     for path in files:
         load_config(path).check_engine(32)
+
+
+def test_host_tier_options_are_checked_and_prefault_defaults_to_unset() -> None:
+    assert load_config().host_options.prefault is None  # the worker decides: on for P/D roles
+    cfg = load_config(tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB", "options": {"prefault": True}}])
+    assert cfg.host_options.prefault is True
+    with pytest.raises(ConfigError, match=r"tiers.0.options \(host tier\): prefualt: Extra inputs"):
+        load_config(tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB", "options": {"prefualt": True}}])
+    with pytest.raises(ConfigError, match="prefault"):
+        load_config(tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB", "options": {"prefault": "maybe"}}])

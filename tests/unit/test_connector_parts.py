@@ -52,3 +52,13 @@ def test_worker_metadata_aggregates_over_tp_ranks() -> None:
     job7 = merged.done[7]
     assert (job7.reports, job7.failed_keys, job7.bytes, job7.secs) == (2, {key(3)}, 200, 0.7)
     assert merged.done[8].reports == 1
+
+
+def test_worker_metadata_keeps_every_ranks_peer_transfers() -> None:
+    rank0, rank1 = TierCacheWorkerMetadata(), TierCacheWorkerMetadata()
+    rank0.transfers.append(("peer_to_device", 1000, 0.002))
+    rank1.transfers += [("peer_to_device", 1000, 0.003), ("peer_to_host", 10, 0.001)]
+    merged = rank0.aggregate(rank1)
+    assert isinstance(merged, TierCacheWorkerMetadata)
+    assert sorted(merged.transfers) == [("peer_to_device", 1000, 0.002), ("peer_to_device", 1000, 0.003),
+                                        ("peer_to_host", 10, 0.001)]

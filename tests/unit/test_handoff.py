@@ -90,15 +90,32 @@ def test_direct_params_name_each_chunks_blocks() -> None:
 
 
 # ------------------------------------------------------------- producer, mode direct
-def direct_producer(error_handling: str = "none"):  # type: ignore[no-untyped-def]
+def direct_producer(error_handling: str = "none", tp_size: int = 1):  # type: ignore[no-untyped-def]
+    """A mode-direct producer's scheduler half on a real vLLM block pool of 32 blocks."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core.block_pool import BlockPool
+
     from tiercache.config import PDConfig
+    from tiercache.connector.block_pins import VllmBlockPins
     from tiercache.connector.pd import PDScheduler
     from tiercache.keys import KeySpace, Namespace
 
     ns = Namespace("m", "torch.float32", "NHD", 32, 64, 1, 4096, "sha256")
     settings = PDConfig(mode="direct", handoff_timeout_s=5, nixl_error_handling=error_handling)  # type: ignore[arg-type]
-    return PDScheduler(settings, "kv_producer", KeySpace(ns, 2), OffloadingManager([TierSpec("cpu", 4)]),
-                       chunk_tokens=64, engine_id="e", tp_size=1, blocks_per_chunk=2)
+    pd = PDScheduler(settings, "kv_producer", KeySpace(ns, 2), OffloadingManager([TierSpec("cpu", 4)]),
+                     chunk_tokens=64, engine_id="e", tp_size=tp_size, blocks_per_chunk=2)
+    pd.bind_pins(VllmBlockPins(BlockPool(32, enable_caching=True, hash_block_size=32)))
+    return pd
+
+
+def allocate(pd, n: int = 5) -> list[int]:  # type: ignore[no-untyped-def]
+    """vLLM gives a request ``n`` blocks."""
+    return [b.block_id for b in pd.pins.pool.get_new_blocks(n)]
+
+
+def vllm_frees(pd, block_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """What vLLM does with a finished request's blocks when request_finished did not delay it."""
+    pd.pins.unpin(block_ids)
 
 
 def prompt_request(rid: str, capped: bool = True):  # type: ignore[no-untyped-def]
@@ -111,19 +128,61 @@ def prompt_request(rid: str, capped: bool = True):  # type: ignore[no-untyped-de
                            block_hashes=[bytes([i]) * 32 for i in range(4)], status=status)
 
 
-def test_direct_producer_marks_at_the_prefill_step_and_keeps_the_blocks() -> None:
+def test_direct_producer_marks_at_the_prefill_step_and_pins_the_blocks() -> None:
     pd = direct_producer()
+    pool = pd.pins.pool
     req = prompt_request("r1")
-    pd.mark_prefill(req, [7, 8, 2, 3, 11])  # the step completing the 140-token prompt
+    blocks = allocate(pd)
+    free_before = pool.get_num_free_blocks()
+    pd.mark_prefill(req, blocks)  # the step completing the 140-token prompt
     marks, unmarks, released = pd.take_direct()
-    assert list(marks) == ["r1"] and marks["r1"].blocks == ((7, 8), (2, 3)) and not unmarks and not released
+    assert list(marks) == ["r1"] and marks["r1"].blocks == (tuple(blocks[:2]), tuple(blocks[2:4]))
+    assert not unmarks and not released
     assert not pd.has_pending()  # delivered: an idle producer may stop stepping
-    delay, params = pd.request_finished(req, [7, 8, 2, 3, 11])  # type: ignore[arg-type]
-    assert delay is True and params is not None and params["remote_block_ids"] == [7, 8, 2, 3]
+    delay, params = pd.request_finished(req, blocks)  # type: ignore[arg-type]
+    # vLLM frees the request at once (no delayed free: the engine need not keep stepping) ...
+    assert delay is False and params is not None and params["remote_block_ids"] == blocks[:4]
+    vllm_frees(pd, blocks)
+    # ... and the hand-off's four blocks stay allocated (our pin), the fifth is free again
+    assert pool.get_num_free_blocks() == free_before + 1
+    assert [pd.pins.refs(b) for b in blocks] == [1, 1, 1, 1, 0]
     assert pd.take_direct() == ({}, [], [])  # marked already: nothing more for the worker
-    assert pd.held_chunks == 2
+    assert pd.held_chunks == 2 and pd.pinned_blocks == 4
     pd.expire(now=1e12)  # nobody read it
     assert pd.take_direct() == ({}, [], ["r1"]) and pd.counters["handoffs_expired"] == 1
+    assert pd.pinned_blocks == 4  # until the worker says the tags are cleared
+    pd.blocks_released({"r1": {0}})
+    assert pd.pinned_blocks == 0 and pool.get_num_free_blocks() == free_before + 5
+    pd.blocks_released({"r1": {0}})  # a repeated report changes nothing
+    assert pool.get_num_free_blocks() == free_before + 5
+
+
+def test_direct_producer_unpins_only_when_every_tp_rank_cleared_its_tags() -> None:
+    pd = direct_producer(tp_size=2)
+    pool = pd.pins.pool
+    req = prompt_request("r5")
+    blocks = allocate(pd)
+    free_before = pool.get_num_free_blocks()
+    pd.mark_prefill(req, blocks)
+    pd.take_direct()
+    pd.request_finished(req, blocks)  # type: ignore[arg-type]
+    vllm_frees(pd, blocks)
+    pd.handoffs_read({"r5"})  # rank 0's consumer read it; rank 0 cleared its tags
+    pd.blocks_released({"r5": {0}})
+    assert pd.counters["handoffs_read"] == 1 and pd.held_chunks == 0 and pd.pinned_blocks == 4
+    pd.expire(now=1e12)  # rank 1 never heard (its consumer failed): told to clear them anyway
+    assert pd.take_direct() == ({}, [], ["r5"]) and pd.counters["handoffs_expired"] == 0
+    pd.expire(now=1e12)
+    assert pd.take_direct() == ({}, [], [])  # told once
+    pd.blocks_released({"r5": {0, 1}})  # the aggregated report of the step after
+    assert pd.pinned_blocks == 0 and pool.get_num_free_blocks() == free_before + 5
+
+
+def test_direct_producer_without_vllms_block_pool_is_a_clear_error() -> None:
+    pd = direct_producer()
+    pd.pins = None
+    with pytest.raises(RuntimeError, match="bind_kv_cache_manager"):
+        pd.request_finished(prompt_request("r6"), list(range(1, 6)))  # type: ignore[arg-type]
 
 
 def test_direct_producer_clears_marks_when_no_hand_off_follows() -> None:
@@ -144,11 +203,13 @@ def test_direct_producer_clears_marks_when_no_hand_off_follows() -> None:
 def test_direct_producer_marks_late_when_the_prefill_step_was_missed() -> None:
     pd = direct_producer("peer")
     req = prompt_request("r4")
-    delay, _ = pd.request_finished(req, [9, 10, 11, 12])  # type: ignore[arg-type]
-    assert delay is True and pd.has_pending()  # a step must deliver the marks
+    blocks = allocate(pd, 4)
+    delay, _ = pd.request_finished(req, blocks)  # type: ignore[arg-type]
+    assert delay is False and pd.has_pending()  # a step must deliver the marks
     marks, _, _ = pd.take_direct()
-    assert marks["r4"].blocks == ((9, 10), (11, 12))
+    assert marks["r4"].blocks == (tuple(blocks[:2]), tuple(blocks[2:]))
     assert pd.has_pending()  # tcp (peer): keeps stepping while anything is held
     pd.handoffs_read({"r4"})
+    pd.blocks_released({"r4": {0}})  # the worker cleared the tags itself on the read
     assert not pd.has_pending() and pd.counters["handoffs_read"] == 1
-    assert pd.take_direct() == ({}, [], [])  # the worker released it itself on the read
+    assert pd.take_direct() == ({}, [], []) and pd.pinned_blocks == 0

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import array
 
+import numpy as np
 import pytest
 import torch
-from tiercache.backends.cpu import HostTier
+from tiercache.backends.cpu import HostTier, commit_pages, touch_pages
 
 from tiercache.backend import Backend, JobResult
 
@@ -173,3 +174,26 @@ def test_close_forgets_keys(tier: HostTier) -> None:
     tier.close()
     assert tier.poll() == [] and tier.contains([b"a"]) == [False]
     assert list(tier.recover()) == []
+
+
+def _resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("commit", [commit_pages, touch_pages], ids=["madvise", "touch"])
+def test_committing_pages_makes_a_fresh_buffer_resident(commit) -> None:  # type: ignore[no-untyped-def]
+    size = 64 << 20
+    buf = np.empty(size + 100, dtype=np.uint8)[100:]  # not page aligned either
+    before = _resident_bytes()
+    commit(buf)
+    assert _resident_bytes() - before >= size - (4 << 20)
+    assert not buf.any()  # fresh memory reads as zeros, before and after
+
+
+def test_prefaulted_slab_is_resident_at_start_up_and_a_lazy_one_is_not() -> None:
+    before = _resident_bytes()
+    lazy = HostTier(64, 1 << 20)
+    assert not lazy.prefaulted and _resident_bytes() - before < (16 << 20)
+    before = _resident_bytes()
+    eager = HostTier(64, 1 << 20, prefault=True)
+    assert eager.prefaulted and _resident_bytes() - before >= (60 << 20)

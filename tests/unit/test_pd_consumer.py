@@ -70,3 +70,17 @@ def test_direct_hand_off_loads_into_blocks_and_keep_received_decides_the_store(k
     assert [meta.peer_sources[k].blocks for k in load.keys] == [(7,), (8,), (9,), (10,)]
     # the loaded chunks are offered to the host tier (a copy out of the blocks) only when kept
     assert [len(s.keys) for s in meta.stores] == ([4] if keep_received else [])
+
+
+def test_the_workers_peer_transfers_reach_the_transfer_metrics() -> None:
+    """What NixlPeerTier timed (READ to tags checked) is exported per path, beside the load jobs."""
+    from tiercache.connector.metadata import TierCacheWorkerMetadata
+
+    sched = consumer(keep_received=False)
+    report = TierCacheWorkerMetadata(transfers=[("peer_to_device", 4096, 0.002), ("peer_to_device", 8192, 0.003)])
+    sched.update_connector_output(report)
+    registry = sched.metrics.registry
+    labels = {"engine": "0", "path": "peer_to_device"}
+    assert registry.get_sample_value("tiercache_transfer_bytes_total", labels) == 4096 + 8192
+    assert registry.get_sample_value("tiercache_transfer_seconds_count", labels) == 2
+    assert registry.get_sample_value("tiercache_transfer_seconds_sum", labels) == pytest.approx(0.005)

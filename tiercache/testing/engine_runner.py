@@ -27,6 +27,9 @@ Spec (JSON object; only ``model_dir`` and ``rounds`` are required)::
     tiercache_metrics_url    str    optional: scrape tiercache_* samples from this URL after each round
     env                      dict   env vars set before importing vLLM (override the defaults
                                     VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND=0)
+    cpus                     list   optional: CPU ids the whole engine (front-end, engine core,
+                                    workers; children inherit it) may run on. Without it only
+                                    the workers' compute threads are bound (VLLM_CPU_OMP_THREADS_BIND)
     rounds                   list   of rounds, run in order on the same engine:
       {"prompts": [[ids], ...], "max_tokens": int,
        "reset_prefix_cache_before": bool = false,   # LLM.reset_prefix_cache() first
@@ -231,6 +234,8 @@ class EngineRun:
 
 
 def apply_env(spec: dict[str, Any]) -> None:
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, {int(c) for c in spec["cpus"]})  # before vLLM spawns anything
     for key, value in DEFAULT_ENV.items():
         os.environ.setdefault(key, value)
     for key, value in (spec.get("env") or {}).items():
