@@ -21,15 +21,13 @@ takes CPU from the other engine's forward pass (docs/PERFORMANCE.md).
 Reported per prompt length: decode-side TTFT (median) for each connector and
 the ratio tiercache / NixlConnector (target <= 1.0); the KV transfer
 throughput of each (bytes / time of the NIXL transfers, from each
-connector's own metrics: ``tiercache_transfer_*{path="peer_to_device"}``
-(direct) or ``{path="peer_to_host"}`` (via_host), data READ to tags checked,
+connector's own metrics: ``tiercache_transfer_*{path="peer_device_to_device"}``
+(direct) or ``{path="peer_host_to_device"}`` (via_host), data READ to tags checked,
 and ``vllm:nixl_bytes_transferred`` / ``vllm:nixl_xfer_time_seconds``)
 next to raw NIXL UCX measured in the same run (READs of a hand-off's size,
 chunk-sized descriptors, between two processes), as a ratio (target >= 0.8).
-tiercache's load jobs (``path="host_to_device"``) are shown beside it: in
-mode direct the whole job (first-contact handshake, READs, tag checks), in
-via_host only the copy from the host slots into the blocks that follows the
-READ.
+tiercache's load jobs (``path="host_to_device"``: the whole job, a first
+handshake included) are shown beside it.
 Raw NIXL is measured twice: with UCX's peer-failure handling (NIXL's default,
 what NixlConnector runs; tcp on one host) and with error handling ``none``
 (what tiercache runs by default; UCX may then use one-sided CMA/shared memory).
@@ -189,10 +187,9 @@ def transfer_gbps(kind: str, pair: dict[str, Any]) -> dict[str, float | None]:
     """The consumer's KV transfer figures, from the connector's own metrics.
 
     ``gbps``: bytes / time of the NIXL transfers alone (tiercache: data READ to
-    tags checked, ``tiercache_transfer_*{path="peer_to_*"}``; NixlConnector:
+    tags checked, ``tiercache_transfer_*{path="peer_*_to_device"}``; NixlConnector:
     ``vllm:nixl_xfer_time_seconds``), ``bytes``; tiercache also ``job_gbps``, its
-    ``host_to_device`` load jobs (direct: the whole job, handshake included;
-    via_host: the slot -> block copy after the READ).
+    ``host_to_device`` load jobs (the whole job, a first handshake included).
     """
     last = pair["consumer"]["rounds"][-1]
     if kind == "nixl":
@@ -201,7 +198,7 @@ def transfer_gbps(kind: str, pair: dict[str, Any]) -> dict[str, float | None]:
         secs = metric_sum(samples, "vllm:nixl_xfer_time_seconds")
         return {"gbps": moved / secs / 1e9 if secs > 0 else None, "bytes": moved, "job_gbps": None}
     samples = last.get("tiercache_metrics") or {}
-    path = 'path="peer_to_device"' if kind == "tiercache-direct" else 'path="peer_to_host"'
+    path = 'path="peer_device_to_device"' if kind == "tiercache-direct" else 'path="peer_host_to_device"'
     moved = metric_sum(samples, "tiercache_transfer_bytes_total", path)
     secs = metric_sum(samples, "tiercache_transfer_seconds_sum", path)
     job_bytes = metric_sum(samples, "tiercache_transfer_bytes_total", 'path="host_to_device"')

@@ -30,13 +30,14 @@ offloading (DESIGN.md section 6):
   progress thread runs.
 * **Consumer** (kv_role ``kv_consumer``, or ``kv_both`` with ``pd``): a
   request carrying a tiercache hand-off teaches the manager that the ``peer``
-  tier (read-only, shared; ``peer_direct``, a direct tier, for a producer in
-  mode direct) holds its chunks, after checking the producer's
+  tier (read-only, shared, and direct: its load plans take no host slot, the
+  worker READs straight into the blocks, from the producer's host slots or KV
+  blocks per its mode) holds its chunks, after checking the producer's
   fingerprint against its own (a mismatch is refused with an error naming the
-  fields, and counted). Lookup, prepare_load and staging then treat the
-  producer like any lower tier; :meth:`sources_for` tells the worker which
-  producer holds each key it loads. After the load the knowledge is dropped
-  (the producer releases the chunks); a failed load is recomputed.
+  fields, and counted). Lookup and prepare_load then treat the producer like
+  any lower tier; :meth:`sources_for` tells the worker which producer holds
+  each key it loads. After the load the knowledge is dropped (the producer
+  releases the chunks); a failed load is recomputed.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tiercache.backends.nixl_peer import PEER_DIRECT_TIER, PEER_TIER, PeerChunk, PeerSource
+from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk, PeerSource
 from tiercache.config import PDConfig
 from tiercache.handoff import Handoff, HandoffError, fingerprint, mismatches
 from tiercache.keys import KeySpace
@@ -297,29 +298,23 @@ class PDScheduler:
             self.counters["handoffs_refused"] += 1
             return
         src = PeerSource(handoff.host, handoff.port, handoff.request_id)
+        self.manager.learn(PEER_TIER, list(handoff.keys))
         if handoff.mode == "direct":
-            self.manager.learn(PEER_DIRECT_TIER, list(handoff.keys))
             for key, blocks in zip(handoff.keys, handoff.blocks_of(self.blocks_per_chunk)):
                 self._sources[key] = PeerChunk(src, -1, blocks)
         else:
-            self.manager.learn(PEER_TIER, list(handoff.keys))
             for key, slot in zip(handoff.keys, handoff.slots):
                 self._sources[key] = PeerChunk(src, slot)
 
     def sources_for(self, tiers: tuple[str, ...], keys: tuple[bytes, ...]) -> dict[bytes, PeerChunk]:
         """Where the producers hold the keys a load plan reads from a peer tier."""
-        return {k: self._sources[k] for k, t in zip(keys, tiers)
-                if t in (PEER_TIER, PEER_DIRECT_TIER) and k in self._sources}
+        return {k: self._sources[k] for k, t in zip(keys, tiers) if t == PEER_TIER and k in self._sources}
 
     def load_finished(self, keys: tuple[bytes, ...], failed: set[bytes]) -> None:
         """A load ended: forget what the producer held (it releases the chunks now)."""
-        by_tier: dict[str, list[bytes]] = {}
-        for k in keys:
-            chunk = self._sources.pop(k, None)
-            if chunk is not None:
-                by_tier.setdefault(PEER_DIRECT_TIER if chunk.blocks else PEER_TIER, []).append(k)
-        for tier, peer_keys in by_tier.items():
-            self.manager.forget(tier, peer_keys)
+        peer_keys = [k for k in keys if self._sources.pop(k, None) is not None]
+        if peer_keys:
+            self.manager.forget(PEER_TIER, peer_keys)
             self.counters["handoff_chunks_received"] += sum(1 for k in peer_keys if k not in failed)
 
     def forget_request(self, request_id: str) -> None:

@@ -29,7 +29,7 @@ from tiercache.transfer import TransferJobSpec
 
 from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
 
-from tiercache.backends.nixl_peer import PEER_DIRECT_TIER, PEER_TIER, PeerChunk
+from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk
 from tiercache.connector.block_pins import VllmBlockPins
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
@@ -80,11 +80,9 @@ class TierCacheScheduler:
         pd = pd_settings(kv_role, config.pd)
         specs = [TierSpec(host.name, geometry.host_slots, host.policy), *lower_tier_specs(config, geometry)]
         if pd is not None and kv_role in CONSUMER_ROLES:
-            # The producers, seen as read-only shared tiers (what they announced): via_host
-            # chunks are staged through a host slot, direct ones land in the blocks.
-            specs.append(TierSpec(PEER_TIER, pd.max_peer_chunks, "lru", "read_only", shared=True))
-            specs.append(TierSpec(PEER_DIRECT_TIER, pd.max_peer_chunks, "lru", "read_only", shared=True,
-                                  direct=True))
+            # The producers, seen as one read-only shared tier (what they announced); direct:
+            # the worker READs its chunks straight into the blocks, no host slot.
+            specs.append(TierSpec(PEER_TIER, pd.max_peer_chunks, "lru", "read_only", shared=True, direct=True))
         self.manager = OffloadingManager(specs)
         self.pd: PDScheduler | None = None
         if pd is not None:
@@ -220,7 +218,7 @@ class TierCacheScheduler:
             tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + min(end, (chunk + 1) * ct) - max(start, chunk * ct)
         job = self._new_job("load", request.request_id, plan.keys, tuple(segments))
         self._step_loads.append(job)
-        if self.pd is not None and not self.pd.settings.keep_received and PEER_DIRECT_TIER in plan.tiers:
+        if self.pd is not None and not self.pd.settings.keep_received and PEER_TIER in plan.tiers:
             # A pure decode engine: the hand-off's chunks are not copied out again into the host tier.
             st.next_store_chunk = max(st.next_store_chunk, first_chunk + len(plan.keys))
         if self.pd is not None:

@@ -30,7 +30,7 @@ from tiercache.transfer import TransferEngine, TransferJobSpec
 
 from tiercache.connector.lower_tiers import make_backends
 
-from tiercache.backends.nixl_peer import PEER_DIRECT_TIER, PEER_TIER, NixlPeerTier
+from tiercache.backends.nixl_peer import PEER_TIER, NixlPeerTier
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PRODUCER_ROLES, pd_settings
@@ -98,11 +98,10 @@ class TierCacheWorker:
                                                 fp, pd.host, pd.port + self.rank, pd.nixl_error_handling, progress,
                                                 blocks if pd.mode == "direct" else None)
             if self.kv_role in CONSUMER_ROLES:
-                self.peer = NixlPeerTier(slab.data_ptr(), slab.numel(), self.geometry.slot_bytes, fp,
-                                         self.rank, pd.read_timeout_s, pd.nixl_error_handling, self.num_blocks)
-                self.peer.expose_blocks(blocks)  # producers in mode direct are read into the blocks
-                backends[PEER_TIER] = self.peer
-                block_readers[PEER_DIRECT_TIER] = self.peer
+                self.peer = NixlPeerTier(self.geometry.slot_bytes, fp, self.rank, pd.read_timeout_s,
+                                         pd.nixl_error_handling, self.num_blocks)
+                self.peer.expose_blocks(blocks)  # hand-offs are READ straight into the blocks
+                block_readers[PEER_TIER] = self.peer
         tier_io = TierIO(backends, transfer.host.slab) if backends else None
         self.engine = WorkerPipeline(transfer, tier_io, block_readers)
         logger.info(

@@ -1,7 +1,9 @@
-"""The engine's KV blocks as NIXL sees them, for P/D mode ``direct``.
+"""The engine's KV blocks as NIXL sees them: where a P/D consumer's READs land.
 
-In mode ``direct`` a consumer READs the producer's KV blocks straight into its
-own KV blocks: no host copy on either side. Both workers describe their
+A consumer READs hand-offs straight into its own KV blocks: from the
+producer's KV blocks (mode ``direct``: no host copy on either side,
+:func:`paired_descs`) or from the producer's host slots (mode ``via_host``,
+:func:`slot_descs`). Both workers describe their
 paged KV cache the same way, as :class:`BlockRegions`: one entry per region
 of :class:`tiercache.layout.KVBlockLayout` (a layer's K or V pages, say), each
 ``num_blocks`` pages of ``page`` bytes, ``stride`` bytes apart, starting at
@@ -133,4 +135,50 @@ def paired_descs(ours: BlockRegions, theirs: BlockRegions, our_blocks: Sequence[
             for ob, tb in zip(our_blocks, their_blocks):
                 local.append((oa + ob * os_, page, ours.device_id))
                 remote.append((ta + tb * ts, page, theirs.device_id))
+    return np.asarray(local, dtype=np.int64).reshape(-1, 3), np.asarray(remote, dtype=np.int64).reshape(-1, 3)
+
+
+def slot_descs(ours: BlockRegions, slab_addr: int, slot_bytes: int, slots: Sequence[int],
+               firsts: Sequence[int], our_blocks: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) descriptors copying chunks out of a producer's host slots into our blocks.
+
+    A host slot holds one chunk region by region (:meth:`KVBlockLayout.region_offsets`:
+    region ``r``'s ``blocks_per_chunk`` pages, then region ``r+1``'s): chunk ``i`` is
+    slot ``slots[i]``, its positions ``firsts[i]..`` land in ``our_blocks[i]``. Runs of
+    consecutive block ids give one descriptor per region (the slot side is contiguous
+    there); the producer has the same layout (fingerprint: model, dtype, chunk size),
+    so ``slot_bytes`` must be a whole number of our blocks (ValueError otherwise).
+    """
+    per_block = sum(ours.pages)
+    if per_block == 0 or slot_bytes % per_block:
+        raise ValueError(f"a {slot_bytes}-byte host slot is not a whole number of our {per_block}-byte blocks")
+    bpc = slot_bytes // per_block
+    offsets = [0]
+    for page in ours.pages[:-1]:
+        offsets.append(offsets[-1] + page * bpc)
+    local: list[tuple[int, int, int]] = []
+    remote: list[tuple[int, int, int]] = []
+    for slot, first, blocks in zip(slots, firsts, our_blocks):
+        if first < 0 or first + len(blocks) > bpc:
+            raise ValueError(f"positions {first}..{first + len(blocks) - 1} overflow a {bpc}-block chunk")
+        base = slab_addr + slot * slot_bytes
+        runs: list[tuple[int, int]] = []  # (position in blocks, length)
+        i = 0
+        while i < len(blocks):
+            j = i + 1
+            while j < len(blocks) and blocks[j] == blocks[j - 1] + 1:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        for r, page in enumerate(ours.pages):
+            addr, stride = ours.addrs[r], ours.strides[r]
+            for i0, length in runs:
+                src = base + offsets[r] + (first + i0) * page
+                if stride == page:
+                    local.append((addr + blocks[i0] * stride, length * page, ours.device_id))
+                    remote.append((src, length * page, 0))
+                else:
+                    for k in range(length):
+                        local.append((addr + blocks[i0 + k] * stride, page, ours.device_id))
+                        remote.append((src + k * page, page, 0))
     return np.asarray(local, dtype=np.int64).reshape(-1, 3), np.asarray(remote, dtype=np.int64).reshape(-1, 3)

@@ -182,7 +182,7 @@ def test_consumer_decodes_token_exact_without_recomputing_the_prompt(runs: dict[
     consumer, baseline = runs["consumer"], runs["baseline"]
     assert tokens(consumer, 0) == tokens(baseline, 0)
     r0 = consumer["rounds"][0]
-    tier = "peer" if runs["mode"] == "via_host" else "peer_direct"
+    tier = "peer"  # both modes: READ straight into the blocks
     assert sample(r0, "tiercache_hit_tokens_total", f'tier="{tier}"') == len(A) * CHUNKS_PER_PROMPT * CHUNK
     local = vllm_counter(r0, "prompt_tokens_by_source", "local_compute")
     assert 0 < local <= len(A) * (PROMPT_LEN - CHUNKS_PER_PROMPT * CHUNK)

@@ -1,9 +1,9 @@
 """The P/D data path without engines: a producer's endpoint and a consumer's peer tier.
 
 Real NIXL agents (UCX, DRAM to DRAM on this machine) and a real loopback
-side channel: the consumer reads chunks from the producer's host slab into its
-own slots, byte-exact, and the producer hears about it through the NIXL
-notification; a chunk whose copy has not finished is waited for; a slot
+side channel: the consumer reads chunks from the producer's host slab straight
+into its own KV blocks (vLLM-shaped tensors), byte-exact, and the producer hears
+about it on the side channel; a chunk whose copy has not finished is waited for; a slot
 re-filled with another chunk is never served for the old one; a producer with
 another fingerprint is refused naming the field; a dead producer fails the read
 within the timeout; garbage on the side channel harms no one else.
@@ -28,13 +28,41 @@ import torch
 pytest.importorskip("nixl._api")
 
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.backends.nixl_peer import PEER_TO_HOST, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
+from tiercache.backends.nixl_peer import PEER_HOST_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
+from tiercache.device import CopySegment  # noqa: E402
+from tiercache.layout import KVBlockLayout  # noqa: E402
+from tiercache.pd_blocks import BlockRegions  # noqa: E402
 from tiercache.pd_channel import ProducerEndpoint  # noqa: E402
 from tests.e2e.conftest import free_port  # noqa: E402
 
-SLOT = 64 * 1024
+BLOCKS = 16  # the consumer's KV cache: 2 layers of (K/V, blocks, 32 tokens, 2 heads, 16) float32
+BPC = 2  # blocks per chunk
+LAYOUT_PAGE = 32 * 2 * 16 * 4
+SLOT = BPC * 4 * LAYOUT_PAGE  # 4 regions (2 layers x K/V) of BPC pages: 32 KiB
 SLOTS = 8
-FP = {"model": "m", "kv_dtype": "torch.float32", "chunk_tokens": 128}
+FP = {"model": "m", "kv_dtype": "torch.float32", "chunk_tokens": 64}
+
+
+class ConsumerKV:
+    """A consumer's vLLM-shaped KV cache, and how a producer's slot maps onto its blocks."""
+
+    def __init__(self) -> None:
+        self.kv = {f"layer.{i}": torch.zeros((2, BLOCKS, 32, 2, 16)) for i in range(2)}
+        self.layout = KVBlockLayout.from_kv_caches(self.kv, BLOCKS)
+        assert self.layout.slot_bytes(BPC) == SLOT
+        self.regions = BlockRegions.from_layout(self.layout)
+
+    def holds(self, slot: torch.Tensor, blocks: tuple[int, ...], first: int = 0) -> bool:
+        """Our ``blocks`` hold the slot's chunk (from position ``first``), byte for byte."""
+        for region, page, base in zip(self.layout.regions, self.layout.page_bytes,
+                                      self.layout.region_offsets(BPC)):
+            for pos, block in enumerate(blocks, start=first):
+                if not torch.equal(region[block], slot[base + pos * page: base + (pos + 1) * page]):
+                    return False
+        return True
+
+    def untouched(self, blocks: tuple[int, ...]) -> bool:
+        return all(int(region[list(blocks)].sum()) == 0 for region in self.layout.regions)
 
 
 class Stepper:
@@ -57,11 +85,11 @@ class Stepper:
         self._thread.join(timeout=5)
 
 
-def wait_result(peer: NixlPeerTier, timeout: float = 30, blocks: bool = False) -> JobResult:
-    """The first finished job (``blocks``: a mode-direct one)."""
+def wait_result(peer: NixlPeerTier, timeout: float = 30) -> JobResult:
+    """The first finished job."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = peer.poll_blocks() if blocks else peer.poll()
+        done = peer.poll_blocks()
         if done:
             return done[0]
         time.sleep(0.01)
@@ -71,21 +99,22 @@ def wait_result(peer: NixlPeerTier, timeout: float = 30, blocks: bool = False) -
 @pytest.fixture
 def pair():
     prod_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
-    cons_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
+    cons = ConsumerKV()
     port = free_port()
     server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port)
     server.set_holding(True)  # the scheduler says hand-offs are held
     stepper = Stepper(server)
-    peer = NixlPeerTier(cons_slab.data_ptr(), cons_slab.numel(), SLOT, FP, rank=0, read_timeout_s=2.0)
-    yield prod_slab, cons_slab, server, peer, port, stepper
+    peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, max_blocks=BLOCKS)
+    peer.expose_blocks(cons.regions)
+    yield prod_slab, cons, server, peer, port, stepper
     peer.close()
     stepper.stop()
     server.close()
 
 
-def views(slab: torch.Tensor, slots: list[int]) -> list[memoryview]:
-    rows = slab.numpy()
-    return [memoryview(rows[s]) for s in slots]
+def into(*blocks: tuple[int, ...]) -> list[CopySegment]:
+    """Each chunk into these consumer blocks (no host slot: slot -1)."""
+    return [CopySegment(-1, 0, b) for b in blocks]
 
 
 def chunk(port: int, slot: int, request_id: str = "r") -> PeerChunk:
@@ -101,11 +130,18 @@ def test_consumer_reads_producer_slots_byte_exact_and_producer_is_notified(pair)
     server.slot_filling([2, 5])
     server.slot_filled(keys, [2, 5])
     peer.expect({keys[0]: chunk(port, 2, "req-7"), keys[1]: chunk(port, 5, "req-7")})
-    peer.submit_get(1, keys, views(cons, [0, 3]))
+    peer.submit_blocks(1, keys, into((0, 1), (7, 3)))  # consecutive blocks, and not
     res = wait_result(peer)
     assert res.ok and res.bytes == 2 * SLOT
-    assert torch.equal(cons[0], prod[2]) and torch.equal(cons[3], prod[5])
-    assert [(p, n) for p, n, _ in peer.take_transfers()] == [(PEER_TO_HOST, 2 * SLOT)]
+    assert cons.holds(prod[2], (0, 1)) and cons.holds(prod[5], (7, 3))
+    assert cons.untouched((2, 4, 5, 6))
+    assert [(p, n) for p, n, _ in peer.take_transfers()] == [(PEER_HOST_TO_DEVICE, 2 * SLOT)]
+    # a partial chunk: its first block was computed here, the second comes from the slot
+    prod[6] = torch.from_numpy(rng.integers(0, 256, SLOT, dtype=np.uint8))
+    server.slot_filled([b"z" * 16], [6])
+    peer.expect({b"z" * 16: chunk(port, 6, "req-z")})
+    peer.submit_blocks(2, [b"z" * 16], [CopySegment(-1, 1, (9,))])
+    assert wait_result(peer).ok and cons.holds(prod[6], (9,), first=1) and cons.untouched((8, 10))
     deadline = time.monotonic() + 10
     while not stepper.read and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -117,16 +153,16 @@ def read_during_a_long_step(pair) -> None:  # type: ignore[no-untyped-def]
     prod, cons, server, peer, port, stepper = pair
     server.slot_filled([b"h" * 16], [2])
     peer.expect({b"h" * 16: chunk(port, 2, "req-h")})
-    peer.submit_get(8, [b"h" * 16], views(cons, [0]))
+    peer.submit_blocks(8, [b"h" * 16], into((0, 1)))
     assert wait_result(peer).ok  # handshake done while the engine was stepping
     stepper.stop()  # the engine is "inside a long step" from now on: no service() at all
     prod[3] = 9
     server.slot_filled([b"p" * 16], [3])
     peer.expect({b"p" * 16: chunk(port, 3, "req-p")})
     start = time.monotonic()
-    peer.submit_get(9, [b"p" * 16], views(cons, [1]))
+    peer.submit_blocks(9, [b"p" * 16], into((2, 3)))
     res = wait_result(peer)
-    assert res.ok and int(cons[1].sum()) == 9 * SLOT and time.monotonic() - start < 1.5
+    assert res.ok and cons.holds(prod[3], (2, 3)) and time.monotonic() - start < 1.5
     assert {"req-h", "req-p"} <= heard_reads(server, stepper, {"req-h", "req-p"})  # at the next steps
 
 
@@ -143,15 +179,15 @@ def test_a_read_needs_nothing_from_the_producer(pair) -> None:
 def peer_mode_pair():
     """UCX with peer-failure handling (tcp here): the producer runs its progress thread."""
     prod_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
-    cons_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
+    cons = ConsumerKV()
     port = free_port()
     server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port,
                               error_handling="peer", busy_progress=True)
     server.set_holding(True)
     stepper = Stepper(server)
-    peer = NixlPeerTier(cons_slab.data_ptr(), cons_slab.numel(), SLOT, FP, rank=0, read_timeout_s=2.0,
-                        error_handling="peer")
-    yield prod_slab, cons_slab, server, peer, port, stepper
+    peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, error_handling="peer", max_blocks=BLOCKS)
+    peer.expose_blocks(cons.regions)
+    yield prod_slab, cons, server, peer, port, stepper
     peer.close()
     stepper.stop()
     server.close()
@@ -177,12 +213,12 @@ def test_read_waits_for_a_copy_still_in_progress(pair) -> None:
     key = b"w" * 16
     server.slot_filling([1])
     peer.expect({key: chunk(port, 1, "req-w")})
-    peer.submit_get(2, [key], views(cons, [1]))
+    peer.submit_blocks(2, [key], into((4, 5)))
     time.sleep(0.3)
     prod[1] = 7
     server.slot_filled([key], [1])
     res = wait_result(peer)
-    assert res.ok and int(cons[1].sum()) == 7 * SLOT
+    assert res.ok and cons.holds(prod[1], (4, 5)) and int(prod[1].sum()) == 7 * SLOT
 
 
 def test_reused_slot_is_not_served_for_the_old_key(pair) -> None:
@@ -192,28 +228,31 @@ def test_reused_slot_is_not_served_for_the_old_key(pair) -> None:
     server.slot_filled([b"b" * 16], [4])  # ... and slot 4 now holds another chunk
     peer.expect({b"a" * 16: chunk(port, 4)})
     start = time.monotonic()
-    peer.submit_get(3, [b"a" * 16], views(cons, [0]))
+    peer.submit_blocks(3, [b"a" * 16], into((0, 1)))
     res = wait_result(peer)
     assert res.failed_keys == (b"a" * 16,) and time.monotonic() - start < 5
-    assert int(cons[0].sum()) == 0  # nothing was copied into the consumer's slot
+    assert peer.counters["stale_chunks"] == 1 and peer.take_transfers() == []
 
 
 def test_slot_outside_the_producer_slab_fails_cleanly(pair) -> None:
     _prod, cons, _server, peer, port, _ = pair
     peer.expect({b"o" * 16: chunk(port, SLOTS + 3)})
-    peer.submit_get(7, [b"o" * 16], views(cons, [0]))
+    peer.submit_blocks(7, [b"o" * 16], into((0, 1)))
     assert wait_result(peer).failed_keys == (b"o" * 16,)
+    peer.expect({b"q" * 16: chunk(port, 0)})
+    peer.submit_blocks(8, [b"q" * 16], into((BLOCKS - 1, BLOCKS)))  # our own block ids out of range
+    assert wait_result(peer).failed_keys == (b"q" * 16,)
 
 
 def test_incompatible_producer_is_refused_naming_the_field(pair, caplog) -> None:
     _prod, cons, server, _peer, port, _ = pair
-    other = NixlPeerTier(cons.data_ptr(), cons.numel(), SLOT, {**FP, "kv_dtype": "torch.bfloat16"},
-                         rank=0, read_timeout_s=2.0)
+    other = NixlPeerTier(SLOT, {**FP, "kv_dtype": "torch.bfloat16"}, rank=0, read_timeout_s=2.0, max_blocks=BLOCKS)
+    other.expose_blocks(cons.regions)
     try:
         server.slot_filled([b"x" * 16], [0])
         other.expect({b"x" * 16: chunk(port, 0)})
         with caplog.at_level("ERROR"):
-            other.submit_get(4, [b"x" * 16], views(cons, [0]))
+            other.submit_blocks(4, [b"x" * 16], into((0, 1)))
             res = wait_result(other)
         assert not res.ok
         assert other.counters["refused_peers"] == 1
@@ -227,7 +266,7 @@ def test_dead_producer_fails_within_the_timeout(pair) -> None:
     dead = free_port()
     peer.expect({b"d" * 16: chunk(dead, 0)})
     start = time.monotonic()
-    peer.submit_get(5, [b"d" * 16], views(cons, [0]))
+    peer.submit_blocks(5, [b"d" * 16], into((0, 1)))
     res = wait_result(peer)
     assert not res.ok and time.monotonic() - start < 5
 
@@ -245,5 +284,5 @@ def test_garbage_on_the_side_channel_harms_no_one(pair) -> None:
     prod[6] = 3
     server.slot_filled([b"g" * 16], [6])
     peer.expect({b"g" * 16: chunk(port, 6)})
-    peer.submit_get(6, [b"g" * 16], views(cons, [2]))
-    assert wait_result(peer).ok and torch.equal(cons[2], prod[6])
+    peer.submit_blocks(6, [b"g" * 16], into((12, 13)))
+    assert wait_result(peer).ok and cons.holds(prod[6], (12, 13))

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("nixl._api")
 
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.backends.nixl_peer import PEER_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
+from tiercache.backends.nixl_peer import PEER_DEVICE_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
 from tiercache.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout  # noqa: E402
 from tiercache.pd_blocks import BlockRegions  # noqa: E402
@@ -44,7 +44,7 @@ def regions(kv: dict[str, torch.Tensor]) -> BlockRegions:
 
 
 def wait_blocks(peer: NixlPeerTier) -> JobResult:
-    return wait_result(peer, blocks=True)
+    return wait_result(peer)
 
 
 def same_block(a: dict[str, torch.Tensor], ab: int, b: dict[str, torch.Tensor], bb: int) -> bool:
@@ -55,12 +55,10 @@ def same_block(a: dict[str, torch.Tensor], ab: int, b: dict[str, torch.Tensor], 
 def direct():
     prod_kv, cons_kv = kv_caches(1), kv_caches(2)
     prod_slab = torch.zeros((2, SLOT), dtype=torch.uint8)
-    cons_slab = torch.zeros((2, SLOT), dtype=torch.uint8)
     port = free_port()
     server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, 2, FP, "127.0.0.1", port, blocks=regions(prod_kv))
     stepper = Stepper(server)
-    peer = NixlPeerTier(cons_slab.data_ptr(), cons_slab.numel(), SLOT, FP, rank=0, read_timeout_s=1.5,
-                        max_blocks=BLOCKS)
+    peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=1.5, max_blocks=BLOCKS)
     peer.expose_blocks(regions(cons_kv))
     yield prod_kv, cons_kv, server, peer, port, stepper
     peer.close()
@@ -88,7 +86,7 @@ def test_blocks_arrive_byte_exact_in_other_block_ids_and_the_producer_hears(dire
     assert not same_block(prod, 9, cons, 11)  # untouched
     # the transfer metric: the READ of what arrived, once (the worker hands it to the metrics)
     [(path, moved, secs)] = peer.take_transfers()
-    assert path == PEER_TO_DEVICE and moved == 3 * page and secs > 0
+    assert path == PEER_DEVICE_TO_DEVICE and moved == 3 * page and secs > 0
     assert peer.take_transfers() == []
     deadline = time.monotonic() + 10
     while "req-1" not in stepper.read and time.monotonic() < deadline:
@@ -157,7 +155,7 @@ def test_producer_not_in_mode_direct_is_a_clear_failure(caplog) -> None:
     port = free_port()
     server = ProducerEndpoint(slab.data_ptr(), SLOT, 2, FP, "127.0.0.1", port)  # no expose_blocks
     stepper = Stepper(server)
-    peer = NixlPeerTier(slab.data_ptr(), slab.numel(), SLOT, FP, rank=0, read_timeout_s=1.0, max_blocks=BLOCKS)
+    peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=1.0, max_blocks=BLOCKS)
     peer.expose_blocks(regions(kv_caches(3)))
     try:
         peer.expect({b"q" * 16: PeerChunk(src(port, "q"), -1, (1, 2))})
@@ -173,8 +171,7 @@ def test_producer_not_in_mode_direct_is_a_clear_failure(caplog) -> None:
 
 def test_producer_with_another_kv_layout_is_refused(direct, caplog) -> None:
     _prod, _cons, server, _peer, port, _ = direct
-    slab = torch.zeros((2, SLOT), dtype=torch.uint8)
-    other = NixlPeerTier(slab.data_ptr(), slab.numel(), SLOT, FP, rank=0, read_timeout_s=1.0, max_blocks=BLOCKS)
+    other = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=1.0, max_blocks=BLOCKS)
     other.expose_blocks(regions(kv_caches(4, heads=4)))  # twice the page size
     try:
         server.hold_blocks("l", [b"l" * 16], [(1, 2)])

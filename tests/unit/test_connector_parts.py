@@ -56,9 +56,9 @@ def test_worker_metadata_aggregates_over_tp_ranks() -> None:
 
 def test_worker_metadata_keeps_every_ranks_peer_transfers() -> None:
     rank0, rank1 = TierCacheWorkerMetadata(), TierCacheWorkerMetadata()
-    rank0.transfers.append(("peer_to_device", 1000, 0.002))
-    rank1.transfers += [("peer_to_device", 1000, 0.003), ("peer_to_host", 10, 0.001)]
+    rank0.transfers.append(("peer_device_to_device", 1000, 0.002))
+    rank1.transfers += [("peer_device_to_device", 1000, 0.003), ("peer_host_to_device", 10, 0.001)]
     merged = rank0.aggregate(rank1)
     assert isinstance(merged, TierCacheWorkerMetadata)
-    assert sorted(merged.transfers) == [("peer_to_device", 1000, 0.002), ("peer_to_device", 1000, 0.003),
-                                        ("peer_to_host", 10, 0.001)]
+    assert sorted(merged.transfers) == [("peer_device_to_device", 1000, 0.002), ("peer_device_to_device", 1000, 0.003),
+                                        ("peer_host_to_device", 10, 0.001)]

@@ -1,4 +1,4 @@
-"""BlockRegions and paired_descs: the KV blocks a mode-direct READ moves, as NIXL descriptors."""
+"""BlockRegions, paired_descs and slot_descs: what a P/D READ moves into our blocks, as NIXL descriptors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiercache.layout import KVBlockLayout
-from tiercache.pd_blocks import BlockRegions, paired_descs
+from tiercache.pd_blocks import BlockRegions, paired_descs, slot_descs
 
 BLOCKS = 8
 
@@ -55,3 +55,25 @@ def test_a_peer_with_other_pages_is_named_and_bad_ids_refused() -> None:
         ours.check_blocks([0, BLOCKS])
     with pytest.raises(ValueError, match="memory type"):
         BlockRegions.from_wire({**ours.to_wire(), "mem_type": "HBM"})
+
+
+def test_a_host_slot_lands_in_our_blocks_one_descriptor_per_region_per_run() -> None:
+    ours, _ = regions((2, BLOCKS, 32, 2, 16))  # 4 regions
+    page = ours.pages[0]
+    bpc, slab = 3, 1 << 20
+    slot_bytes = bpc * 4 * page
+    # chunk 0: slot 5 into blocks 2,3,4 (one run); chunk 1: slot 1, positions 1.. into blocks 7, 0
+    local, remote = slot_descs(ours, slab, slot_bytes, [5, 1], [0, 1], [(2, 3, 4), (7, 0)])
+    assert local.shape == (4 + 4 * 2, 3)
+    # region r of a slot starts at r * bpc * page (KVBlockLayout.region_offsets)
+    assert local[1].tolist() == [ours.addrs[1] + 2 * page, 3 * page, 0]
+    assert remote[1].tolist() == [slab + 5 * slot_bytes + 1 * bpc * page, 3 * page, 0]
+    # the partial chunk: position 1 of slot 1, region 2 -> block 7, then position 2 -> block 0
+    tail = [(a, n) for a, n, _ in remote[4:].tolist()]
+    assert (slab + slot_bytes + 2 * bpc * page + 1 * page, page) in tail
+    assert (slab + slot_bytes + 2 * bpc * page + 2 * page, page) in tail
+    assert local[:, 1].sum() == remote[:, 1].sum() == 5 * 4 * page
+    with pytest.raises(ValueError, match="whole number"):
+        slot_descs(ours, slab, slot_bytes + 1, [0], [0], [(1,)])
+    with pytest.raises(ValueError, match="overflow"):
+        slot_descs(ours, slab, slot_bytes, [0], [2], [(1, 2)])

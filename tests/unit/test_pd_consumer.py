@@ -2,7 +2,7 @@
 
 vLLM's request, block and scheduler-output objects are stood in for by plain
 namespaces carrying the fields the connector reads (the real engine path is
-tests/e2e/test_pd.py). Checks: a direct hand-off loads from tier ``peer_direct``
+tests/e2e/test_pd.py). Checks: a direct hand-off loads from tier ``peer`` (a direct tier)
 with no host slot, the worker is told where each key lives, and
 ``pd.keep_received`` decides whether those chunks are offered to the host tier
 afterwards.
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tiercache.backends.nixl_peer import PEER_DIRECT_TIER  # noqa: E402
+from tiercache.backends.nixl_peer import PEER_TIER  # noqa: E402
 from tiercache.config import load_config  # noqa: E402
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry  # noqa: E402
 from tiercache.connector.scheduler import TierCacheScheduler  # noqa: E402
@@ -37,18 +37,19 @@ def consumer(keep_received: bool) -> TierCacheScheduler:
     return sched
 
 
-def direct_request(sched: TierCacheScheduler) -> Any:
+def direct_request(sched: TierCacheScheduler, mode: str = "direct") -> Any:
+    """A request with a producer's hand-off: its blocks (mode direct) or host slots (via_host) 7..10."""
     hashes = [bytes([i]) * 32 for i in range(4)]
     keys = tuple(sched.keys.chunk_keys(hashes))
     assert sched.pd is not None
     params = Handoff("prod", "127.0.0.1", 5700, "p-1", keys, (7, 8, 9, 10), sched.pd.fingerprint,
-                     mode="direct").to_params()
+                     mode=mode).to_params()
     return SimpleNamespace(request_id="c-1", block_hashes=hashes, num_tokens=PROMPT, num_prompt_tokens=PROMPT,
                            num_computed_tokens=0, kv_transfer_params=params)
 
 
-def load_then_step(sched: TierCacheScheduler) -> tuple[Any, Any]:
-    req = direct_request(sched)
+def load_then_step(sched: TierCacheScheduler, mode: str = "direct") -> tuple[Any, Any]:
+    req = direct_request(sched, mode)
     hit, _async = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
     assert hit == 4 * BLOCK
     blocks = SimpleNamespace(get_block_ids=lambda: ([20, 21, 22, 23, 24],))
@@ -66,7 +67,7 @@ def test_direct_hand_off_loads_into_blocks_and_keep_received_decides_the_store(k
     (load,) = meta.loads
     assert [seg.slot for seg in load.segments] == [-1, -1, -1, -1]  # no host staging slot
     assert [seg.block_ids for seg in load.segments] == [(20,), (21,), (22,), (23,)]
-    assert meta.staging[load.job_id] == (PEER_DIRECT_TIER,) * 4
+    assert meta.staging[load.job_id] == (PEER_TIER,) * 4
     assert [meta.peer_sources[k].blocks for k in load.keys] == [(7,), (8,), (9,), (10,)]
     # the loaded chunks are offered to the host tier (a copy out of the blocks) only when kept
     assert [len(s.keys) for s in meta.stores] == ([4] if keep_received else [])
@@ -77,10 +78,22 @@ def test_the_workers_peer_transfers_reach_the_transfer_metrics() -> None:
     from tiercache.connector.metadata import TierCacheWorkerMetadata
 
     sched = consumer(keep_received=False)
-    report = TierCacheWorkerMetadata(transfers=[("peer_to_device", 4096, 0.002), ("peer_to_device", 8192, 0.003)])
+    report = TierCacheWorkerMetadata(transfers=[("peer_device_to_device", 4096, 0.002), ("peer_device_to_device", 8192, 0.003)])
     sched.update_connector_output(report)
     registry = sched.metrics.registry
-    labels = {"engine": "0", "path": "peer_to_device"}
+    labels = {"engine": "0", "path": "peer_device_to_device"}
     assert registry.get_sample_value("tiercache_transfer_bytes_total", labels) == 4096 + 8192
     assert registry.get_sample_value("tiercache_transfer_seconds_count", labels) == 2
     assert registry.get_sample_value("tiercache_transfer_seconds_sum", labels) == pytest.approx(0.005)
+
+
+def test_a_via_host_hand_off_is_read_into_the_blocks_too() -> None:
+    """No staging host slot for either producer mode: the READ lands in the blocks (from the producer's slots)."""
+    sched = consumer(keep_received=False)
+    _req, meta = load_then_step(sched, mode="via_host")
+    (load,) = meta.loads
+    assert [seg.slot for seg in load.segments] == [-1, -1, -1, -1]
+    assert meta.staging[load.job_id] == (PEER_TIER,) * 4
+    assert [(meta.peer_sources[k].slot, meta.peer_sources[k].blocks) for k in load.keys] == [
+        (7, ()), (8, ()), (9, ()), (10, ())]
+    assert meta.stores == []
