@@ -234,6 +234,9 @@ class TierCacheWorker:
             self._absorb(self.engine.wait_all())
             self.engine.shutdown()
             self.engine = None
+        if self.peer is not None:
+            self.peer.close()  # a block reader, not a TierIO backend: closed here
+            self.peer = None
         if self.handoff is not None:
             self.handoff.close()
             self.handoff = None
