@@ -24,26 +24,20 @@ import torch
 from tiercache.backend import Backend, JobResult
 
 _PAGE_BYTES = 4096  # the smallest page: touching one byte of each commits the whole slab
-_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
 def commit_pages(buf: np.ndarray) -> None:
-    """Fault in every page of a fresh ``buf`` (1-D, contiguous) for writing, now, as huge pages if it can.
+    """Fault in every page of a fresh ``buf`` (1-D, contiguous) for writing, now.
 
-    ``madvise(MADV_HUGEPAGE)`` first (transparent huge pages, where the kernel
-    allows them: a peer's NIXL READ pins the pages it copies one by one, and
-    pinning 4 KiB pages took half of a READ's time; with 2 MiB pages the via_host
-    READ of 31.5 MiB went from 7.3-8.8 ms to 3.8-4.3 ms, docs/PERFORMANCE.md).
-    Then one ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (no trap per
-    page), else :func:`touch_pages`.
+    One ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (about twice as
+    fast as touching: no trap per page), else :func:`touch_pages`.
     """
     addr = int(buf.ctypes.data)
     start = addr - addr % _PAGE_BYTES
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(buf.nbytes + addr - start), _MADV_HUGEPAGE)  # best effort
         if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(buf.nbytes + addr - start), _MADV_POPULATE_WRITE) == 0:
             return
     except (OSError, AttributeError):

@@ -68,12 +68,10 @@ class HostTierOptions(_Frozen):
     prefault: bool | None = Field(
         default=None,
         description="Touch every page of the host slab at start-up, committing the whole capacity "
-        "at once, as transparent huge pages where the kernel allows (slower start-up: ~2.5 s per "
-        "GiB here). Otherwise pageable memory is committed as chunks arrive, and each first write "
+        "at once. Otherwise pageable memory is committed as chunks arrive, and each first write "
         "into a page costs a page fault: a NIXL read into never-touched slots ran about 40x slower "
-        "(docs/PERFORMANCE.md), host copies several times slower; and a peer's NIXL READ from "
-        "4 KiB pages took twice as long. Default: on for an engine in a P/D role, off otherwise. "
-        "A pinned slab (CUDA) is always committed.",
+        "(docs/PERFORMANCE.md), host copies several times slower. Default: on for an engine in a "
+        "P/D role, off otherwise. A pinned slab (CUDA) is always committed.",
     )
 
 
