@@ -372,9 +372,7 @@ class NixlPeerTier:
         ours_mem = self.blocks.mem_type
         while pending:
             local, remote = plan.descs(pending)
-            self._xfer(link, lambda local=local, remote=remote: self.agent.initialize_xfer(
-                "READ", self.agent.get_xfer_descs(local, ours_mem), self.agent.get_xfer_descs(remote, plan.remote_mem),
-                link.agent_name), deadline)
+            self._read_descs(link, local, ours_mem, remote, plan.remote_mem, deadline)
             tags = iter(self._read_tags(link, plan.tags_addr, [t for i in pending for t in plan.tag_index[i]],
                                         deadline))
             again: list[int] = []
@@ -403,9 +401,7 @@ class NixlPeerTier:
         local = [(base + i * TAG_BYTES, TAG_BYTES, 0) for i in range(len(indices))]
         remote = [(tags_addr + s * TAG_BYTES, TAG_BYTES, 0) for s in indices]
         self._tags[: len(indices)] = 0
-        self._xfer(link, lambda: self.agent.initialize_xfer(
-            "READ", self.agent.get_xfer_descs(local, "DRAM"), self.agent.get_xfer_descs(remote, "DRAM"),
-            link.agent_name), deadline)
+        self._read_descs(link, local, "DRAM", remote, "DRAM", deadline)
         return [int(t) for t in self._tags[: len(indices)]]
 
     def _notify(self, link: PeerLink, src: PeerSource) -> None:
@@ -420,15 +416,20 @@ class NixlPeerTier:
         except ChannelError:  # the hold then expires on the producer
             logger.warning("tiercache P/D: notifying %s failed", link.address, exc_info=True)
 
-    def _xfer(self, link: PeerLink, make_handle: Callable[[], Any], deadline: float) -> None:
-        """Run one NIXL transfer to completion; ChannelError if it fails or passes ``deadline``."""
+    def _read_descs(self, link: PeerLink, local: Any, local_mem: str, remote: Any, remote_mem: str,
+                    deadline: float) -> None:
+        """One NIXL READ of ``remote`` into ``local`` (descriptor lists or ``(N, 3)`` arrays), to completion.
+
+        ChannelError if it fails or passes ``deadline``.
+        """
         agent, handle = self.agent, None
         # The I/O thread polls in bursts and yields the GIL between them (a thread that yields
         # after every call gets it back only every switch interval, 5 ms, beside vLLM's spinning
         # worker). An inline read is the worker thread's own work: it never yields mid-READ.
         burst = _POLL_BURST_S if threading.current_thread() is self._thread else float("inf")
         try:
-            handle = make_handle()
+            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, local_mem),
+                                           agent.get_xfer_descs(remote, remote_mem), link.agent_name)
             state = agent.transfer(handle)
             yield_at = time.monotonic() + burst
             while state not in ("DONE", "ERR"):

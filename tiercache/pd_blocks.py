@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.layout import KVBlockLayout
+from tiercache.layout import KVBlockLayout, block_runs
 
 
 @dataclass(frozen=True)
@@ -162,23 +162,16 @@ def slot_descs(ours: BlockRegions, slab_addr: int, slot_bytes: int, slots: Seque
         if first < 0 or first + len(blocks) > bpc:
             raise ValueError(f"positions {first}..{first + len(blocks) - 1} overflow a {bpc}-block chunk")
         base = slab_addr + slot * slot_bytes
-        runs: list[tuple[int, int]] = []  # (position in blocks, length)
-        i = 0
-        while i < len(blocks):
-            j = i + 1
-            while j < len(blocks) and blocks[j] == blocks[j - 1] + 1:
-                j += 1
-            runs.append((i, j - i))
-            i = j
+        runs = block_runs(blocks)
         for r, page in enumerate(ours.pages):
             addr, stride = ours.addrs[r], ours.strides[r]
-            for i0, length in runs:
-                src = base + offsets[r] + (first + i0) * page
+            for pos, first_id, length in runs:
+                src = base + offsets[r] + (first + pos) * page
                 if stride == page:
-                    local.append((addr + blocks[i0] * stride, length * page, ours.device_id))
+                    local.append((addr + first_id * stride, length * page, ours.device_id))
                     remote.append((src, length * page, 0))
                 else:
                     for k in range(length):
-                        local.append((addr + blocks[i0 + k] * stride, page, ours.device_id))
+                        local.append((addr + (first_id + k) * stride, page, ours.device_id))
                         remote.append((src + k * page, page, 0))
     return np.asarray(local, dtype=np.int64).reshape(-1, 3), np.asarray(remote, dtype=np.int64).reshape(-1, 3)
