@@ -89,10 +89,17 @@ def describe_machine(info: Mapping[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- ceilings
-def repeat_nixl_transfer(agent: Any, handle: Any, nbytes: int, seconds: float) -> float:
-    """GB/s of a prepared NIXL transfer of ``nbytes``, posted back to back for ``seconds`` (the raw ceiling)."""
-    moved, started = 0, time.perf_counter()
+def repeat_nixl_transfer(agent: Any, handle: Any | Sequence[Any], nbytes: int, seconds: float) -> float:
+    """GB/s of prepared NIXL transfers of ``nbytes`` each, posted back to back for ``seconds`` (the raw ceiling).
+
+    ``handle``: one handle, posted again and again, or several, posted in turn
+    (different memory each time, so that a ceiling is not measured out of the CPU's cache).
+    """
+    handles = list(handle) if isinstance(handle, Sequence) else [handle]
+    moved, turn, started = 0, 0, time.perf_counter()
     while True:
+        handle = handles[turn % len(handles)]
+        turn += 1
         state = agent.transfer(handle)
         while state not in ("DONE", "ERR"):
             state = agent.check_xfer_state(handle)

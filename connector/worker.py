@@ -23,6 +23,7 @@ import torch
 from tiercache.backend import JobResult
 
 from tiercache.config import ConfigError, TierCacheConfig
+from tiercache.huge_pages import collapse_tensors
 from tiercache.layout import KVBlockLayout
 from tiercache.pipeline import WorkerPipeline
 from tiercache.tier_io import TierIO
@@ -73,6 +74,11 @@ class TierCacheWorker:
                 f"KV-cache config says {expected}; unsupported KV layout"
             )
         prefault = self.config.host_options.prefault
+        huge = self.pd is not None and self.pd.huge_pages
+        if huge:  # before NIXL registers them: a READ from (producer) or into (consumer) them
+            report = collapse_tensors(kv_caches.values())
+            if report.requested_bytes:
+                logger.info("tiercache P/D: KV tensors in host memory: %s", report.describe())
         transfer = TransferEngine(
             layout,
             self.geometry.blocks_per_chunk,
@@ -81,7 +87,10 @@ class TierCacheWorker:
             copy_threads=self.config.copy_threads,
             # P/D: NIXL reads land in (consumer) or are served from (producer) host slots
             prefault_host=self.pd is not None if prefault is None else prefault,
+            huge_host=huge,
         )
+        if transfer.host.huge_pages is not None:
+            logger.info("tiercache P/D: host slab: %s", transfer.host.huge_pages.describe())
         keyspace = self.geometry.keyspace(self.config)
         digest = keyspace.digest
         backends = make_backends(self.config, self.geometry, digest, self.rank)

@@ -138,9 +138,19 @@ class PDConfig(_Frozen):
     )
     keep_received: bool = Field(
         default=True,
-        description="Consumer: offer what a mode-direct hand-off delivered to its own host tier (the "
-        "normal store path: a copy out of the blocks per hand-off). via_host hand-offs are staged "
-        "through the host tier and stay there either way. false: a pure decode engine.",
+        description="Consumer: offer what a hand-off delivered to its own host tier (the normal store "
+        "path: a copy out of the blocks per hand-off; both modes READ straight into the blocks). "
+        "false: a pure decode engine.",
+    )
+    huge_pages: bool = Field(
+        default=True,
+        description="Back the host memory a peer's NIXL READ copies from or into with 2 MiB "
+        "transparent huge pages: the host slab (a prefaulted slab only) and, where vLLM keeps the KV "
+        "cache in host memory (its CPU platform), the engine's KV tensors, moved in place at "
+        "start-up (MADV_COLLAPSE, contents kept). On one host a READ pins its source one 4 KiB "
+        "page at a time: 31.5 MiB took 3.3 ms from small pages and 1.8 ms from huge ones "
+        "(docs/PERFORMANCE.md). Best effort: a kernel without THP (or set to never) keeps small "
+        "pages, and the worker's log says how much became huge.",
     )
     max_peer_chunks: int = Field(
         default=65536, ge=1,

@@ -53,10 +53,12 @@ class TransferEngine:
         host: HostTier | None = None,
         copy_threads: int | None = None,
         prefault_host: bool = False,
+        huge_host: bool = False,
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = blocks_per_chunk
-        self.host = host or HostTier(num_slots, layout.slot_bytes(blocks_per_chunk), prefault=prefault_host)
+        self.host = host or HostTier(num_slots, layout.slot_bytes(blocks_per_chunk), prefault=prefault_host,
+                                      huge_pages=huge_host)
         if self.host.slot_bytes != layout.slot_bytes(blocks_per_chunk):
             raise ValueError(
                 f"host tier slot is {self.host.slot_bytes} bytes, the engine's chunk is "
