@@ -59,8 +59,8 @@ class JobReport:
 @dataclass
 class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     done: dict[int, JobReport] = field(default_factory=dict)
-    # P/D producer: its request ids whose hand-off a consumer finished reading
-    handoffs_read: set[str] = field(default_factory=set)
+    # P/D producer: request id -> the workers (TP ranks) whose consumer finished reading its hand-off
+    handoffs_read: dict[str, set[int]] = field(default_factory=dict)
     # P/D producer, mode direct: request id -> the workers (TP ranks) that cleared its blocks' tags
     blocks_released: dict[str, set[int]] = field(default_factory=dict)
     # P/D consumer: its NIXL READs from producers, (metric path, bytes, seconds) each
@@ -71,7 +71,8 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
-        self.handoffs_read |= other.handoffs_read
+        for rid, ranks in other.handoffs_read.items():
+            self.handoffs_read.setdefault(rid, set()).update(ranks)
         self.transfers += other.transfers
         for rid, ranks in other.blocks_released.items():
             self.blocks_released.setdefault(rid, set()).update(ranks)

@@ -77,6 +77,7 @@ class _Hold:
     keys: list[bytes]
     deadline: float
     direct: bool = False  # the request's device blocks, not host chunks
+    read_ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) whose consumer read it
 
 
 @dataclass
@@ -252,11 +253,21 @@ class PDScheduler:
                 assert self.pins is not None
                 self.pins.unpin(pinned.blocks)
 
-    def handoffs_read(self, request_ids: set[str]) -> None:
-        """The worker saw the consumers' read notifications: release those holds."""
-        for rid in request_ids:
-            hold = self._holds.pop(rid, None)
-            if hold is not None:
+    def handoffs_read(self, ranks: Mapping[str, set[int]]) -> None:
+        """Workers (TP ranks) saw their consumers' read notifications: a hold ends once every rank has.
+
+        With TP > 1 each consumer rank READs its own shard from the producer rank of the
+        same number and notifies that rank; ending the hold on the first notice would
+        let a via_host slot be reused while another rank still reads it (the tags would
+        catch it, and that rank's request would be recomputed).
+        """
+        for rid, done in ranks.items():
+            hold = self._holds.get(rid)
+            if hold is None:
+                continue
+            hold.read_ranks |= done
+            if len(hold.read_ranks) >= self.tp_size:
+                del self._holds[rid]
                 self._end_hold(rid, hold, "read")
 
     def expire(self, now: float | None = None) -> None:

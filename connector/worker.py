@@ -186,7 +186,8 @@ class TierCacheWorker:
             # Each step: the hand-offs consumers reported read (the side-channel thread
             # heard them meanwhile); mode direct: their blocks go back to vLLM.
             read = self.handoff.service()
-            self._report.handoffs_read |= read
+            for rid in read:
+                self._report.handoffs_read.setdefault(rid, set()).add(self.rank)
             for rid in read:
                 if self.handoff.release_blocks(rid):  # mode direct: tags cleared, the scheduler unpins
                     self._report.blocks_released[rid] = {self.rank}

@@ -223,3 +223,62 @@ def test_mismatched_consumer_is_refused_naming_the_difference(runs: dict[str, An
     assert sample(mismatched["rounds"][0], "tiercache_pd_handoffs_total", 'outcome="refused"') == len(A)
     log = runs["mismatched_log"]
     assert "incompatible peer" in log and "chunk_tokens: ours 64, peer 32" in log
+
+
+# ------------------------------------------------------------------ tensor parallel
+# Both engines with TP=2: each consumer rank READs its shard from the producer rank of the
+# same number (side channel on port + rank) and notifies that rank; a hold ends, and mode
+# direct's blocks are unpinned, only once both ranks heard. Each engine's two workers share
+# one core ("0|0" / "1|1"): sharing cores between the engines stalled the producer's
+# side-channel threads for seconds (docs/pd.md).
+TP2 = {"producer": {"VLLM_CPU_OMP_THREADS_BIND": "0|0"}, "consumer": {"VLLM_CPU_OMP_THREADS_BIND": "1|1"}}
+
+
+@pytest.fixture(scope="module", params=["via_host", "direct"])
+def tp2_runs(request: pytest.FixtureRequest, tiny_model: pathlib.Path,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    mode = request.param
+    tmp = tmp_path_factory.mktemp(f"pd-tp2-{mode}")
+    side, p_metrics, c_metrics = free_port(), free_port(), free_port()
+    params_a = tmp / "params_a.json"
+    tp2 = {"llm_kwargs": {"tensor_parallel_size": 2}, "model_dir": str(tiny_model)}
+    producer_rounds = [
+        {"prompts": A, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        {"prompts": TINY, "max_tokens": 1, "barrier": "heard"},  # a step after the reads: hears them
+        {"prompts": TINY, "max_tokens": 1, "barrier": "end"},
+    ]
+    producer = EngineRun({**engine_spec(producer_kv(side, p_metrics, mode), producer_rounds, p_metrics,
+                                        TP2["producer"]), **tp2}, tmp / "producer")
+    consumer = EngineRun({**engine_spec(consumer_kv(c_metrics), [decode_round(A, params_a, "A")], c_metrics,
+                                        TP2["consumer"]), **tp2}, tmp / "consumer")
+    out: dict[str, Any] = {"mode": mode}
+    try:
+        producer.wait_for("heard", timeout_s=400)
+        params_a.write_text(json.dumps([r["kv_transfer_params"] for r in
+                                        producer.partial("heard")["rounds"][0]["requests"]]))
+        consumer.wait_for("A", timeout_s=400)
+        consumer.release("A")
+        out["consumer"] = consumer.result(timeout_s=400)
+        producer.release("heard")
+        producer.wait_for("end", timeout_s=120)
+        out["producer_r1"] = producer.partial("end")["rounds"][1]
+    finally:
+        producer.kill()
+        consumer.kill()
+    return out
+
+
+def test_tp2_consumer_decodes_token_exact_from_both_ranks_and_the_producer_lets_go(
+        tp2_runs: dict[str, Any], baseline: dict[str, Any]) -> None:
+    consumer, r1 = tp2_runs["consumer"], tp2_runs["producer_r1"]
+    assert tokens(consumer, 0) == tokens(baseline, 0)
+    r0 = consumer["rounds"][0]
+    assert sample(r0, "tiercache_hit_tokens_total", 'tier="peer"') == len(A) * CHUNKS_PER_PROMPT * CHUNK
+    local = vllm_counter(r0, "prompt_tokens_by_source", "local_compute")
+    assert 0 < local <= len(A) * (PROMPT_LEN - CHUNKS_PER_PROMPT * CHUNK)
+    # both ranks' notices arrived: every hand-off read, nothing held, every block vLLM's again
+    assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="read"') == len(A)
+    assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="expired"') == 0
+    assert sample(r1, "tiercache_pd_held_chunks") == 0
+    usage = [float(v) for k, v in r1["metrics"].items() if "kv_cache_usage" in k]
+    assert usage and max(usage) < 0.01, r1["metrics"]  # TINY's own block at most

@@ -54,6 +54,16 @@ def test_worker_metadata_aggregates_over_tp_ranks() -> None:
     assert merged.done[8].reports == 1
 
 
+def test_worker_metadata_keeps_which_ranks_heard_a_read_and_cleared_blocks() -> None:
+    rank0, rank1 = TierCacheWorkerMetadata(), TierCacheWorkerMetadata()
+    rank0.handoffs_read["a"] = {0}
+    rank1.handoffs_read.update({"a": {1}, "b": {1}})
+    rank1.blocks_released["a"] = {1}
+    merged = rank0.aggregate(rank1)
+    assert isinstance(merged, TierCacheWorkerMetadata)
+    assert merged.handoffs_read == {"a": {0, 1}, "b": {1}} and merged.blocks_released == {"a": {1}}
+
+
 def test_worker_metadata_keeps_every_ranks_peer_transfers() -> None:
     rank0, rank1 = TierCacheWorkerMetadata(), TierCacheWorkerMetadata()
     rank0.transfers.append(("peer_device_to_device", 1000, 0.002))

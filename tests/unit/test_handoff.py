@@ -167,15 +167,69 @@ def test_direct_producer_unpins_only_when_every_tp_rank_cleared_its_tags() -> No
     pd.take_direct()
     pd.request_finished(req, blocks)  # type: ignore[arg-type]
     vllm_frees(pd, blocks)
-    pd.handoffs_read({"r5"})  # rank 0's consumer read it; rank 0 cleared its tags
+    pd.handoffs_read({"r5": {0}})  # rank 0's consumer read it; rank 0 cleared its tags
     pd.blocks_released({"r5": {0}})
-    assert pd.counters["handoffs_read"] == 1 and pd.held_chunks == 0 and pd.pinned_blocks == 4
-    pd.expire(now=1e12)  # rank 1 never heard (its consumer failed): told to clear them anyway
-    assert pd.take_direct() == ({}, [], ["r5"]) and pd.counters["handoffs_expired"] == 0
+    assert pd.counters["handoffs_read"] == 0 and pd.held_chunks == 2 and pd.pinned_blocks == 4
+    pd.expire(now=1e12)  # rank 1 never heard (its consumer failed): expired, told to clear them anyway
+    assert pd.take_direct() == ({}, [], ["r5"]) and pd.counters["handoffs_expired"] == 1
+    assert pd.held_chunks == 0
     pd.expire(now=1e12)
     assert pd.take_direct() == ({}, [], [])  # told once
     pd.blocks_released({"r5": {0, 1}})  # the aggregated report of the step after
     assert pd.pinned_blocks == 0 and pool.get_num_free_blocks() == free_before + 5
+
+
+def test_direct_producer_with_two_tp_ranks_reads_and_unpins_once_both_read() -> None:
+    pd = direct_producer(tp_size=2)
+    pool = pd.pins.pool
+    req = prompt_request("r7")
+    blocks = allocate(pd)
+    free_before = pool.get_num_free_blocks()
+    pd.mark_prefill(req, blocks)
+    pd.take_direct()
+    pd.request_finished(req, blocks)  # type: ignore[arg-type]
+    vllm_frees(pd, blocks)
+    pd.handoffs_read({"r7": {1}})
+    pd.blocks_released({"r7": {1}})
+    assert pd.counters["handoffs_read"] == 0 and pd.held_chunks == 2 and pd.pinned_blocks == 4
+    pd.handoffs_read({"r7": {0, 1}})  # a repeated rank counts once
+    pd.blocks_released({"r7": {0}})
+    assert pd.counters["handoffs_read"] == 1 and pd.held_chunks == 0 and pd.pinned_blocks == 0
+    assert pool.get_num_free_blocks() == free_before + 5
+    pd.expire(now=1e12)
+    assert pd.take_direct() == ({}, [], []) and pd.counters["handoffs_expired"] == 0
+
+
+def test_via_host_hold_with_two_tp_ranks_ends_when_both_ranks_read() -> None:
+    """Each consumer rank READs its own shard of the slots: none may be reused before both have."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from tiercache.config import PDConfig
+    from tiercache.connector.pd import PDScheduler
+    from tiercache.keys import KeySpace, Namespace
+
+    ns = Namespace("m", "torch.float32", "NHD", 32, 32, 2, 4096, "sha256")
+    keys = KeySpace(ns, 1)
+    manager = OffloadingManager([TierSpec("cpu", 4)])
+    pd = PDScheduler(PDConfig(handoff_timeout_s=5), "kv_producer", keys, manager, chunk_tokens=32,
+                     engine_id="e", tp_size=2)
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    stored = keys.chunk_keys(hashes)
+    assert manager.prepare_store(stored) is not None
+    manager.complete_store(stored)
+    req = SimpleNamespace(request_id="h1", kv_transfer_params={"do_remote_decode": True}, num_prompt_tokens=140,
+                          block_hashes=hashes, status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    _, params = pd.request_finished(req)  # type: ignore[arg-type]
+    assert params is not None and params["tp_size"] == 2 and pd.held_chunks == 4
+    assert manager.prepare_store(keys.chunk_keys([b"x" * 32])) is None  # all four slots held
+    pd.handoffs_read({"h1": {0}})
+    assert pd.held_chunks == 4 and pd.counters["handoffs_read"] == 0  # rank 1 may still be reading
+    pd.handoffs_read({"h1": {1}})
+    assert pd.held_chunks == 0 and pd.counters["handoffs_read"] == 1
+    assert manager.prepare_store(keys.chunk_keys([b"x" * 32])) is not None  # evictable again
 
 
 def test_direct_producer_without_vllms_block_pool_is_a_clear_error() -> None:
@@ -209,7 +263,7 @@ def test_direct_producer_marks_late_when_the_prefill_step_was_missed() -> None:
     marks, _, _ = pd.take_direct()
     assert marks["r4"].blocks == (tuple(blocks[:2]), tuple(blocks[2:]))
     assert pd.has_pending()  # tcp (peer): keeps stepping while anything is held
-    pd.handoffs_read({"r4"})
+    pd.handoffs_read({"r4": {0}})
     pd.blocks_released({"r4": {0}})  # the worker cleared the tags itself on the read
     assert not pd.has_pending() and pd.counters["handoffs_read"] == 1
     assert pd.take_direct() == ({}, [], []) and pd.pinned_blocks == 0

@@ -53,7 +53,7 @@ A round with ``"barrier": NAME`` lets a test act in the middle of an engine's
 life (kill a shared tier, restart it): before the round, the runner creates
 ``barrier_dir/NAME.reached`` and waits until ``barrier_dir/NAME.go`` exists.
 With :class:`EngineRun` the test calls ``wait_for(NAME)``, does its work, then
-``release(NAME)``; ``release_after`` releases it and the round starts at once.
+``release(NAME)``, and the round starts at once.
 
 Result (JSON object)::
 
