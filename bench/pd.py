@@ -38,7 +38,7 @@ The consumer's first token must equal the producer's (greedy): a mismatch is
 printed and fails the run.
 
 Kinds: ``tiercache`` (mode via_host), ``tiercache-direct`` (mode direct), both
-with ``chunk_tokens`` = the engine block size; ``nixl``: NixlConnector with
+with ``chunk_tokens`` = the engine block size (``--chunk-blocks`` for more); ``nixl``: NixlConnector with
 ``kv_buffer_device: cpu`` (its only choice on the CPU platform). Results go to
 bench/results/pd.json.
 
@@ -79,7 +79,7 @@ def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, me
     if kind == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     extra: dict[str, Any] = {
-        "chunk_tokens": args.block_size,
+        "chunk_tokens": args.block_size * args.chunk_blocks,
         "tiers": [{"name": "cpu", "backend": "cpu", "capacity": f"{args.host_gib}GiB"}],
         "metrics": {"port": metrics_port},
     }
@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths (tokens)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per length (median TTFT reported)")
     parser.add_argument("--block-size", type=int, default=32, help="engine block size (= tiercache chunk)")
+    parser.add_argument("--chunk-blocks", type=int, default=1,
+                        help="tiercache's chunk in engine blocks (default 1: the consumer recomputes less "
+                        "than one block). More blocks per chunk: via_host READs take that many times fewer, "
+                        "larger descriptors, and the consumer recomputes up to a chunk less one token")
     parser.add_argument("--engine-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per engine")
     parser.add_argument("--host-gib", type=int, default=2, help="tiercache host tier per engine")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
