@@ -71,11 +71,9 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
-        for rid, ranks in other.handoffs_read.items():
-            self.handoffs_read.setdefault(rid, set()).update(ranks)
+        _merge_ranks(self.handoffs_read, other.handoffs_read)
         self.transfers += other.transfers
-        for rid, ranks in other.blocks_released.items():
-            self.blocks_released.setdefault(rid, set()).update(ranks)
+        _merge_ranks(self.blocks_released, other.blocks_released)
         for job_id, rep in other.done.items():
             mine = self.done.get(job_id)
             if mine is None:
@@ -86,3 +84,9 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
                 mine.bytes += rep.bytes
                 mine.secs = max(mine.secs, rep.secs)
         return self
+
+
+def _merge_ranks(into: dict[str, set[int]], other: dict[str, set[int]]) -> None:
+    """Union per request id of the TP ranks that reported it."""
+    for rid, ranks in other.items():
+        into.setdefault(rid, set()).update(ranks)

@@ -46,7 +46,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk, PeerSource
 from tiercache.config import PDConfig
@@ -77,7 +77,7 @@ class _Hold:
     keys: list[bytes]
     deadline: float
     direct: bool = False  # the request's device blocks, not host chunks
-    read_ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) whose consumer read it
+    ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) whose consumer read it
 
 
 @dataclass
@@ -87,7 +87,24 @@ class _Pinned:
     blocks: list[int]
     deadline: float  # past it, the workers that have not cleared them are told to (expired hold, lost notice)
     forced: bool = False
-    released_ranks: set[int] = field(default_factory=set)
+    ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) that cleared their tags
+
+
+_Reported = TypeVar("_Reported", _Hold, _Pinned)
+
+
+def _take_reported(table: dict[str, _Reported], reports: Mapping[str, set[int]],
+                   tp_size: int) -> list[tuple[str, _Reported]]:
+    """Add each report's TP ranks to its entry; remove and return the entries every rank has reported."""
+    complete: list[tuple[str, _Reported]] = []
+    for rid, ranks in reports.items():
+        entry = table.get(rid)
+        if entry is None:
+            continue
+        entry.ranks |= ranks
+        if len(entry.ranks) >= tp_size:
+            complete.append((rid, table.pop(rid)))
+    return complete
 
 
 @dataclass(frozen=True)
@@ -243,15 +260,9 @@ class PDScheduler:
 
     def blocks_released(self, ranks: Mapping[str, set[int]]) -> None:
         """Workers (TP ranks) cleared these hand-offs' tags: unpin the blocks once all have."""
-        for rid, done in ranks.items():
-            pinned = self._pinned.get(rid)
-            if pinned is None:
-                continue
-            pinned.released_ranks |= done
-            if len(pinned.released_ranks) >= self.tp_size:
-                del self._pinned[rid]
-                assert self.pins is not None
-                self.pins.unpin(pinned.blocks)
+        for _, pinned in _take_reported(self._pinned, ranks, self.tp_size):
+            assert self.pins is not None
+            self.pins.unpin(pinned.blocks)
 
     def handoffs_read(self, ranks: Mapping[str, set[int]]) -> None:
         """Workers (TP ranks) saw their consumers' read notifications: a hold ends once every rank has.
@@ -261,14 +272,8 @@ class PDScheduler:
         let a via_host slot be reused while another rank still reads it (the tags would
         catch it, and that rank's request would be recomputed).
         """
-        for rid, done in ranks.items():
-            hold = self._holds.get(rid)
-            if hold is None:
-                continue
-            hold.read_ranks |= done
-            if len(hold.read_ranks) >= self.tp_size:
-                del self._holds[rid]
-                self._end_hold(rid, hold, "read")
+        for rid, hold in _take_reported(self._holds, ranks, self.tp_size):
+            self._end_hold(rid, hold, "read")
 
     def expire(self, now: float | None = None) -> None:
         """Release holds nobody read in time (called every step)."""

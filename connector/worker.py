@@ -188,7 +188,6 @@ class TierCacheWorker:
             read = self.handoff.service()
             for rid in read:
                 self._report.handoffs_read.setdefault(rid, set()).add(self.rank)
-            for rid in read:
                 if self.handoff.release_blocks(rid):  # mode direct: tags cleared, the scheduler unpins
                     self._report.blocks_released[rid] = {self.rank}
         if self.engine is not None:
