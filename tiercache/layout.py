@@ -49,7 +49,7 @@ class KVBlockLayout:
 
     def region_offsets(self, blocks_per_chunk: int) -> tuple[int, ...]:
         """Byte offset of each region inside a chunk slot."""
-        return tuple(itertools.accumulate((p * blocks_per_chunk for p in self.page_bytes), initial=0))[:-1]
+        return region_offsets(self.page_bytes, blocks_per_chunk)
 
     @classmethod
     def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> KVBlockLayout:
@@ -116,6 +116,11 @@ def _check_pages(name: str, tensor: torch.Tensor, sub: torch.Tensor) -> None:
             f"{tuple(tensor.shape)}, stride {tuple(tensor.stride())}); tiercache needs "
             f"per-block contiguous pages"
         )
+
+
+def region_offsets(page_bytes: Sequence[int], blocks_per_chunk: int) -> tuple[int, ...]:
+    """Byte offset of each region inside a chunk slot: region ``r``'s pages follow region ``r-1``'s."""
+    return tuple(itertools.accumulate((p * blocks_per_chunk for p in page_bytes), initial=0))[:-1]
 
 
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.layout import KVBlockLayout, block_runs
+from tiercache.layout import KVBlockLayout, block_runs, region_offsets
 
 
 @dataclass(frozen=True)
@@ -153,9 +153,7 @@ def slot_descs(ours: BlockRegions, slab_addr: int, slot_bytes: int, slots: Seque
     if per_block == 0 or slot_bytes % per_block:
         raise ValueError(f"a {slot_bytes}-byte host slot is not a whole number of our {per_block}-byte blocks")
     bpc = slot_bytes // per_block
-    offsets = [0]
-    for page in ours.pages[:-1]:
-        offsets.append(offsets[-1] + page * bpc)
+    offsets = region_offsets(ours.pages, bpc)
     local: list[tuple[int, int, int]] = []
     remote: list[tuple[int, int, int]] = []
     for slot, first, blocks in zip(slots, firsts, our_blocks):
