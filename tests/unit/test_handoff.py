@@ -128,6 +128,20 @@ def prompt_request(rid: str, capped: bool = True):  # type: ignore[no-untyped-de
                            block_hashes=[bytes([i]) * 32 for i in range(4)], status=status)
 
 
+def handed_off(pd, rid: str) -> int:  # type: ignore[no-untyped-def]
+    """A request prefilled, marked at its prefill step, finished and freed by vLLM: a hand-off of its
+    four full blocks (pinned). The pool's free blocks from before the request got its five."""
+    pool = pd.pins.pool
+    req = prompt_request(rid)
+    blocks = allocate(pd)
+    free_before = pool.get_num_free_blocks()
+    pd.mark_prefill(req, blocks)
+    pd.take_direct()
+    pd.request_finished(req, blocks)  # type: ignore[arg-type]
+    vllm_frees(pd, blocks)
+    return free_before
+
+
 def test_direct_producer_marks_at_the_prefill_step_and_pins_the_blocks() -> None:
     pd = direct_producer()
     pool = pd.pins.pool
@@ -160,13 +174,7 @@ def test_direct_producer_marks_at_the_prefill_step_and_pins_the_blocks() -> None
 def test_direct_producer_unpins_only_when_every_tp_rank_cleared_its_tags() -> None:
     pd = direct_producer(tp_size=2)
     pool = pd.pins.pool
-    req = prompt_request("r5")
-    blocks = allocate(pd)
-    free_before = pool.get_num_free_blocks()
-    pd.mark_prefill(req, blocks)
-    pd.take_direct()
-    pd.request_finished(req, blocks)  # type: ignore[arg-type]
-    vllm_frees(pd, blocks)
+    free_before = handed_off(pd, "r5")
     pd.handoffs_read({"r5": {0}})  # rank 0's consumer read it; rank 0 cleared its tags
     pd.blocks_released({"r5": {0}})
     assert pd.counters["handoffs_read"] == 0 and pd.held_chunks == 2 and pd.pinned_blocks == 4
@@ -182,13 +190,7 @@ def test_direct_producer_unpins_only_when_every_tp_rank_cleared_its_tags() -> No
 def test_direct_producer_with_two_tp_ranks_reads_and_unpins_once_both_read() -> None:
     pd = direct_producer(tp_size=2)
     pool = pd.pins.pool
-    req = prompt_request("r7")
-    blocks = allocate(pd)
-    free_before = pool.get_num_free_blocks()
-    pd.mark_prefill(req, blocks)
-    pd.take_direct()
-    pd.request_finished(req, blocks)  # type: ignore[arg-type]
-    vllm_frees(pd, blocks)
+    free_before = handed_off(pd, "r7")
     pd.handoffs_read({"r7": {1}})
     pd.blocks_released({"r7": {1}})
     assert pd.counters["handoffs_read"] == 0 and pd.held_chunks == 2 and pd.pinned_blocks == 4
