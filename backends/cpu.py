@@ -1,9 +1,12 @@
 """The host-memory tier: one pre-allocated slab of fixed-size chunk slots.
 
 The slab is allocated once, at start-up, from the tier's byte budget (pinned
-when CUDA is present, so device copies can be asynchronous DMA). Slot ``i``
-is bytes ``[i * slot_bytes, (i + 1) * slot_bytes)``. The scheduler-side
-manager hands out slot numbers; this class only maps them to memory.
+when CUDA is present, so device copies can be asynchronous DMA), as a
+``(num_slots, slot_bytes)`` tensor. The scheduler-side manager hands out slot
+numbers; how a chunk's bytes sit in the slab is the TransferEngine's choice
+(:mod:`tiercache.layout`): ``slots``, chunk slot ``i`` is row ``i``
+(:meth:`HostTier.slot`), or ``planes``, one plane per KV region across
+all rows (the row then holds no single chunk).
 
 Ownership: the slab belongs to this object for the life of the worker;
 backends and copiers get views and must not keep them past their job.
@@ -100,7 +103,7 @@ class HostTier(Backend):
         return self.num_slots * self.slot_bytes
 
     def slot(self, index: int) -> torch.Tensor:
-        """The bytes of slot ``index`` as a 1-D uint8 tensor view."""
+        """Row ``index`` of the slab as a 1-D uint8 tensor view (chunk slot ``index`` in layout ``slots``)."""
         return self.slab[index]
 
     # ---------------------------------------------------- keyed Backend API

@@ -7,8 +7,8 @@ direct tier of the consumer's manager: the load plan gives no host slot, and
 :meth:`NixlPeerTier.submit_blocks` READs each chunk straight into the
 consumer's KV blocks (registered by :meth:`NixlPeerTier.expose_blocks`),
 results from :meth:`NixlPeerTier.poll_blocks`. The source depends on the
-producer's mode: its host slot (``via_host``, :func:`tiercache.pd_blocks.slot_descs`)
-or its own KV blocks (``direct``, :func:`tiercache.pd_blocks.paired_descs`).
+producer's mode: its host slot (``via_host``, :func:`tiercache.pd_blocks.plane_descs`
+or, for a slab in layout ``slots``, :func:`~tiercache.pd_blocks.slot_descs`) or its own KV blocks (``direct``, :func:`tiercache.pd_blocks.paired_descs`).
 
 The metadata of the step names, per key, which producer holds it and where
 (:meth:`expect`).
@@ -55,7 +55,7 @@ import numpy as np
 from tiercache.backend import JobResult
 from tiercache.device import CopySegment
 from tiercache.layout import block_runs
-from tiercache.pd_blocks import BlockRegions, paired_descs, slot_descs
+from tiercache.pd_blocks import BlockRegions, paired_descs, plane_descs, slot_descs
 from tiercache.pd_channel import TAG_BYTES, ChannelError, PeerLink, key_tag, make_agent
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,16 @@ class _Plan:
     path: str  # transfer-metric path
 
 
+def _schedstat() -> tuple[int, int]:
+    """This thread's CPU time and run-queue wait so far, in ns (Linux; zeros elsewhere). Debug logs only."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu, waited, _ = f.read().split()
+        return int(cpu), int(waited)
+    except (OSError, ValueError):
+        return 0, 0
+
+
 class _MustWait(Exception):
     """An inline read met something to wait for: the I/O thread takes the job instead."""
 
@@ -139,7 +149,8 @@ class NixlPeerTier:
         self._transfers: list[tuple[str, int, float]] = []  # (path, bytes, seconds) per READ
         self._lock = threading.Lock()
         self.counters = {"read_chunks": 0, "read_bytes": 0, "failed_chunks": 0, "refused_peers": 0,
-                         "hello_retries": 0, "stale_chunks": 0, "inline_jobs": 0}
+                         "hello_retries": 0, "stale_chunks": 0, "inline_jobs": 0,
+                         "data_descs": 0}  # NIXL descriptors of data READs (tags not counted)
         self._thread = threading.Thread(target=self._run, name="tiercache-pd-reader", daemon=True)
         self._thread.start()
 
@@ -322,11 +333,16 @@ class NixlPeerTier:
         if link.slot_bytes != self.chunk_bytes:
             raise ChannelError(f"producer {link.address}: {link.slot_bytes}-byte slots, ours {self.chunk_bytes}")
         blocks = self.blocks
+        planes = link.slot_planes
 
         def descs(idx: list[int]) -> tuple[np.ndarray, np.ndarray]:
+            chosen = [slots[i] for i in idx]
+            firsts = [segments[i].first_block for i in idx]
+            ours = [segments[i].block_ids for i in idx]
             try:
-                return slot_descs(blocks, link.slab_addr, link.slot_bytes, [slots[i] for i in idx],
-                                  [segments[i].first_block for i in idx], [segments[i].block_ids for i in idx])
+                if planes is not None:  # layout planes: a run of slots is one descriptor per region
+                    return plane_descs(blocks, planes, link.num_slots, chosen, firsts, ours)
+                return slot_descs(blocks, link.slab_addr, link.slot_bytes, chosen, firsts, ours)
             except ValueError as exc:
                 raise ChannelError(f"producer {link.address}: {exc}") from exc
 
@@ -372,10 +388,21 @@ class NixlPeerTier:
         pending = list(range(len(expected)))
         ours_mem = self.blocks.mem_type
         while pending:
+            t0 = time.perf_counter()
             local, remote = plan.descs(pending)
+            self.counters["data_descs"] += len(local)
+            debug = logger.isEnabledFor(logging.DEBUG)
+            sched = _schedstat() if debug else (0, 0)
+            t1 = time.perf_counter()
             self._read_descs(link, local, ours_mem, remote, plan.remote_mem, deadline)
+            t2 = time.perf_counter()
             tags = iter(self._read_tags(link, plan.tags_addr, [t for i in pending for t in plan.tag_index[i]],
                                         deadline))
+            if debug:
+                cpu, waited = (after - before for after, before in zip(_schedstat(), sched))
+                logger.debug("tiercache P/D: %d descriptors: built %.2f ms, data READ %.2f ms (CPU %.2f ms, "
+                             "waiting for the CPU %.2f ms), tags %.2f ms", len(local), (t1 - t0) * 1e3,
+                             (t2 - t1) * 1e3, cpu / 1e6, waited / 1e6, (time.perf_counter() - t2) * 1e3)
             again: list[int] = []
             for i in pending:
                 got = [next(tags) for _ in plan.tag_index[i]]

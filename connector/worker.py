@@ -24,7 +24,7 @@ from tiercache.backend import JobResult
 
 from tiercache.config import ConfigError, TierCacheConfig
 from tiercache.huge_pages import collapse_tensors
-from tiercache.layout import KVBlockLayout
+from tiercache.layout import KVBlockLayout, SlotLayout
 from tiercache.pipeline import WorkerPipeline
 from tiercache.tier_io import TierIO
 from tiercache.transfer import TransferEngine, TransferJobSpec
@@ -75,6 +75,7 @@ class TierCacheWorker:
             )
         prefault = self.config.host_options.prefault
         huge = self.pd is not None and self.pd.huge_pages
+        slot_layout = self._slot_layout()
         if huge:  # before NIXL registers them: a READ from (producer) or into (consumer) them
             report = collapse_tensors(kv_caches.values())
             if report.requested_bytes:
@@ -88,6 +89,7 @@ class TierCacheWorker:
             # P/D: NIXL reads land in (consumer) or are served from (producer) host slots
             prefault_host=self.pd is not None if prefault is None else prefault,
             huge_host=huge,
+            slot_layout=slot_layout,
         )
         if transfer.host.huge_pages is not None:
             logger.info("tiercache P/D: host slab: %s", transfer.host.huge_pages.describe())
@@ -103,25 +105,38 @@ class TierCacheWorker:
             blocks = BlockRegions.from_layout(layout)
             if self.kv_role in PRODUCER_ROLES:
                 progress = pd.busy_progress if pd.busy_progress is not None else pd.nixl_error_handling == "peer"
+                planes = transfer.planes
                 self.handoff = ProducerEndpoint(slab.data_ptr(), self.geometry.slot_bytes, self.geometry.host_slots,
                                                 fp, pd.host, pd.port + self.rank, pd.nixl_error_handling, progress,
-                                                blocks if pd.mode == "direct" else None)
+                                                blocks if pd.mode == "direct" else None,
+                                                BlockRegions.from_planes(planes) if planes is not None else None)
             if self.kv_role in CONSUMER_ROLES:
                 self.peer = NixlPeerTier(self.geometry.slot_bytes, fp, self.rank, pd.read_timeout_s,
                                          pd.nixl_error_handling, self.num_blocks)
                 self.peer.expose_blocks(blocks)  # hand-offs are READ straight into the blocks
                 block_readers[PEER_TIER] = self.peer
-        tier_io = TierIO(backends, transfer.host.slab) if backends else None
+        tier_io = TierIO(backends, transfer.host.slab, transfer.planes, self.geometry.blocks_per_chunk) \
+            if backends else None
         self.engine = WorkerPipeline(transfer, tier_io, block_readers)
         logger.info(
-            "tiercache worker: %d regions, %d B/block, host tier %d slots x %d B (%s), lower tiers %s",
+            "tiercache worker: %d regions, %d B/block, host tier %d slots x %d B (%s, %s), lower tiers %s",
             len(layout.regions),
             layout.bytes_per_block,
             self.geometry.host_slots,
             self.geometry.slot_bytes,
+            slot_layout,
             "pinned" if transfer.host.pinned else "pageable, prefaulted" if transfer.host.prefaulted else "pageable",
             sorted(backends) or "none",
         )
+
+    def _slot_layout(self) -> SlotLayout:
+        """The host slab's layout: as configured, else ``planes`` for a via_host producer (its
+        consumers READ hand-offs out of the slab: a few runs per region instead of a run per chunk)."""
+        configured = self.config.host_options.layout
+        if configured is not None:
+            return configured
+        producer = self.pd is not None and self.pd.mode == "via_host" and self.kv_role in PRODUCER_ROLES
+        return "planes" if producer else "slots"
 
     def _engine(self) -> WorkerPipeline:
         if self.engine is None:

@@ -73,6 +73,16 @@ class HostTierOptions(_Frozen):
         "(docs/PERFORMANCE.md), host copies several times slower. Default: on for an engine in a "
         "P/D role, off otherwise. A pinned slab (CUDA) is always committed.",
     )
+    layout: Literal["slots", "planes"] | None = Field(
+        default=None,
+        description="How chunks sit in the host slab. slots: each chunk's bytes in one run "
+        "(lower tiers read and write slots in place). planes: one plane per KV region (a "
+        "layer's K or V), so chunks in consecutive slots are one run per region: a P/D consumer "
+        "READs a hand-off in a few large NIXL descriptors instead of one per chunk and region "
+        "(8 instead of 504 for 2048 tokens of an 8-region model in 32-token chunks), at the cost of a gather/scatter "
+        "copy when chunks move to or from a lower tier. Default: planes for a producer in "
+        "pd.mode via_host, slots otherwise.",
+    )
 
 
 class FaultConfig(_Frozen):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -17,8 +18,9 @@ from tiercache.layout import KVBlockLayout
 class CudaStreamCopier(BlockCopier):
     """Copies on dedicated CUDA streams, ordered against the compute stream by events."""
 
-    def __init__(self, layout: KVBlockLayout, slab: torch.Tensor, blocks_per_chunk: int) -> None:
-        super().__init__(layout, slab, blocks_per_chunk)
+    def __init__(self, layout: KVBlockLayout, slab: torch.Tensor, blocks_per_chunk: int,
+                 planes: Sequence[torch.Tensor] | None = None) -> None:
+        super().__init__(layout, slab, blocks_per_chunk, planes)
         device = layout.device
         self._store_stream = torch.cuda.Stream(device=device)
         self._load_stream = torch.cuda.Stream(device=device)
@@ -37,7 +39,7 @@ class CudaStreamCopier(BlockCopier):
             stream.wait_event(ready)
             try:
                 moved = copy_segments(
-                    self.layout, self.slab, self.blocks_per_chunk, job, non_blocking=True
+                    self.layout, self.slab, self.blocks_per_chunk, job, non_blocking=True, planes=self.planes
                 )
             except Exception as exc:  # noqa: BLE001 - a failed copy is a failed job
                 error = repr(exc)

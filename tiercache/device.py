@@ -35,12 +35,13 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from tiercache.layout import KVBlockLayout, block_runs
+from tiercache.layout import KVBlockLayout, block_runs, paired_runs
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +94,16 @@ def copy_segments(
     blocks_per_chunk: int,
     job: CopyJob,
     non_blocking: bool = False,
+    planes: Sequence[torch.Tensor] | None = None,
 ) -> int:
     """Run every copy of ``job`` on the current thread/stream; return bytes moved.
 
     Consecutive block ids are coalesced, so a chunk whose blocks are adjacent in
-    the engine costs one copy per region.
+    the engine costs one copy per region. ``planes``: the slab is in layout planes
+    (:func:`tiercache.layout.slab_planes`), see :func:`copy_plane_segments`.
     """
+    if planes is not None:
+        return copy_plane_segments(layout, planes, slab.shape[0], blocks_per_chunk, job, non_blocking)
     offsets = layout.region_offsets(blocks_per_chunk)
     store = job.direction == "store"
     moved = 0
@@ -119,6 +124,49 @@ def copy_segments(
     return moved
 
 
+def copy_plane_segments(
+    layout: KVBlockLayout,
+    planes: Sequence[torch.Tensor],
+    num_slots: int,
+    blocks_per_chunk: int,
+    job: CopyJob,
+    non_blocking: bool = False,
+) -> int:
+    """:func:`copy_segments` for a slab in layout planes: engine blocks <-> host blocks of the planes.
+
+    Chunk slot ``s`` position ``p`` is host block ``s * blocks_per_chunk + p``, so
+    the whole job is one list of (host block, engine block) pairs, and every run
+    consecutive on both sides (a request's chunks in consecutive slots, its
+    blocks consecutive in the engine) is one copy per region, across chunks.
+    Host-resident KV is copied by numpy on this thread (GIL released, no
+    intra-op thread pool: see the module docstring); CUDA KV by ``copy_``.
+    """
+    host_ids: list[int] = []
+    engine_ids: list[int] = []
+    for seg in job.segments:
+        check_segment(layout, num_slots, blocks_per_chunk, seg)
+        first = seg.slot * blocks_per_chunk + seg.first_block
+        host_ids.extend(range(first, first + len(seg.block_ids)))
+        engine_ids.extend(seg.block_ids)
+    runs = paired_runs(host_ids, engine_ids)
+    store = job.direction == "store"
+    on_host = layout.device.type == "cpu"
+    moved = 0
+    for region, plane, page in zip(layout.regions, planes, layout.page_bytes):
+        engine_side = region.numpy() if on_host else region
+        host_side = plane.numpy() if on_host else plane
+        for pos, length in runs:
+            h, e = host_ids[pos], engine_ids[pos]
+            src, dst = (engine_side[e:e + length], host_side[h:h + length]) if store else \
+                (host_side[h:h + length], engine_side[e:e + length])
+            if on_host:
+                dst[...] = src
+            else:
+                dst.copy_(src, non_blocking=non_blocking)
+            moved += length * page
+    return moved
+
+
 def zero_blocks(layout: KVBlockLayout, block_ids: list[int]) -> None:
     """Overwrite engine blocks with zeros (fault injection: negative controls only)."""
     if not block_ids:
@@ -131,10 +179,12 @@ def zero_blocks(layout: KVBlockLayout, block_ids: list[int]) -> None:
 class BlockCopier(ABC):
     """Runs :class:`CopyJob` s asynchronously between engine blocks and host slots."""
 
-    def __init__(self, layout: KVBlockLayout, slab: torch.Tensor, blocks_per_chunk: int) -> None:
+    def __init__(self, layout: KVBlockLayout, slab: torch.Tensor, blocks_per_chunk: int,
+                 planes: Sequence[torch.Tensor] | None = None) -> None:
         self.layout = layout
         self.slab = slab
         self.blocks_per_chunk = blocks_per_chunk
+        self.planes = tuple(planes) if planes is not None else None  # the slab's planes, in layout planes
 
     @abstractmethod
     def submit(self, job: CopyJob) -> None: ...
@@ -166,13 +216,17 @@ def make_copier(
     slab: torch.Tensor,
     blocks_per_chunk: int,
     copy_threads: int | None = None,
+    planes: Sequence[torch.Tensor] | None = None,
 ) -> BlockCopier:
-    """The right copier for where the engine's KV lives (``copy_threads``: host KV only)."""
+    """The right copier for where the engine's KV lives (``copy_threads``: host KV only).
+
+    ``planes``: the slab is in layout planes (:func:`tiercache.layout.slab_planes`).
+    """
     if layout.device.type == "cuda":
         from tiercache.cuda_copier import CudaStreamCopier
 
-        return CudaStreamCopier(layout, slab, blocks_per_chunk)
+        return CudaStreamCopier(layout, slab, blocks_per_chunk, planes=planes)
     from tiercache.host_copier import HostThreadCopier
 
-    return HostThreadCopier(layout, slab, blocks_per_chunk, threads=copy_threads)
+    return HostThreadCopier(layout, slab, blocks_per_chunk, threads=copy_threads, planes=planes)
 

@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +65,11 @@ class HostThreadCopier(BlockCopier):
         slab: torch.Tensor,
         blocks_per_chunk: int,
         threads: int | None = None,
+        planes: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(layout, slab, blocks_per_chunk)
-        self._segment_copier = HostSegmentCopier.build(layout, slab, blocks_per_chunk)
+        super().__init__(layout, slab, blocks_per_chunk, planes)
+        # layout planes: copy_plane_segments (runs across chunks) instead of the per-slot gathers
+        self._segment_copier = None if planes is not None else HostSegmentCopier.build(layout, slab, blocks_per_chunk)
         self.threads = threads or default_copy_threads()
         self._parts: queue.SimpleQueue[_Part | None] = queue.SimpleQueue()
         self._progress = threading.Condition()
@@ -92,6 +95,8 @@ class HostThreadCopier(BlockCopier):
 
     def _describe(self) -> str:
         sc = self._segment_copier
+        if self.planes is not None:
+            return "slab in planes: one numpy copy per region and run of blocks"
         if sc is None:
             return "per-run copies (layout unfit for numpy gathers)"
         return f"numpy gathers: {len(sc.groups)} group(s) of {sc.item_bytes}-byte items"
@@ -112,7 +117,7 @@ class HostThreadCopier(BlockCopier):
     def _copy(self, job: CopyJob) -> int:
         if self._segment_copier is not None:
             return self._segment_copier.copy(job)
-        return copy_segments(self.layout, self.slab, self.blocks_per_chunk, job)
+        return copy_segments(self.layout, self.slab, self.blocks_per_chunk, job, planes=self.planes)
 
     def _run_part(self, seq: int, part: CopyJob) -> None:
         start = time.perf_counter()

@@ -14,7 +14,16 @@ A chunk slot in the host tier is laid out region-major::
 
     [region 0: block 0 page | block 1 page | ... | block n-1 page][region 1: ...]...
 
-so copying one region of a chunk is one contiguous destination run.
+so copying one region of a chunk is one contiguous destination run. That is
+the chunk's byte format everywhere outside the host slab (lower tiers, the
+cache server). Inside the slab a chunk sits in one of two layouts
+(:func:`slab_planes`): ``slots``, slot ``i`` is the chunk's bytes as
+above at ``i * slot_bytes``; or ``planes``, where the slab is one
+*plane* per region, each ``num_slots * blocks_per_chunk`` pages, and chunk
+slot ``i``'s region ``r`` is pages ``i * blocks_per_chunk ..`` of plane ``r``.
+The second makes the slab look like a paged KV cache of its own, so chunks in
+consecutive slots are one byte run per region (a P/D hand-off: a few large
+NIXL descriptors, not one per chunk and region).
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+import numpy as np
 import torch
 
 
@@ -121,6 +132,59 @@ def _check_pages(name: str, tensor: torch.Tensor, sub: torch.Tensor) -> None:
 def region_offsets(page_bytes: Sequence[int], blocks_per_chunk: int) -> tuple[int, ...]:
     """Byte offset of each region inside a chunk slot: region ``r``'s pages follow region ``r-1``'s."""
     return tuple(itertools.accumulate((p * blocks_per_chunk for p in page_bytes), initial=0))[:-1]
+
+
+SlotLayout = Literal["slots", "planes"]
+
+
+def slab_planes(slab: torch.Tensor, page_bytes: Sequence[int], blocks_per_chunk: int) -> tuple[torch.Tensor, ...]:
+    """A planes slab's planes: per region a ``(num_slots * blocks_per_chunk, page)`` uint8 view.
+
+    ``slab`` is the host tier's ``(num_slots, slot_bytes)`` uint8 tensor;
+    plane ``r`` starts at ``num_slots * region_offsets[r]``, and host block
+    ``slot * blocks_per_chunk + position`` of it is that chunk position's page.
+    """
+    num_slots, slot_bytes = slab.shape
+    if sum(page_bytes) * blocks_per_chunk != slot_bytes:
+        raise ValueError(f"{slot_bytes}-byte slots do not hold {blocks_per_chunk} blocks of {sum(page_bytes)} bytes")
+    flat = slab.view(-1)
+    host_blocks = num_slots * blocks_per_chunk
+    return tuple(
+        flat[num_slots * start : num_slots * start + host_blocks * page].view(host_blocks, page)
+        for start, page in zip(region_offsets(page_bytes, blocks_per_chunk), page_bytes)
+    )
+
+
+def gather_slot(planes: Sequence[torch.Tensor], slot: int, blocks_per_chunk: int, out: np.ndarray) -> None:
+    """Copy chunk slot ``slot`` of a planes slab into ``out`` (1-D uint8) in the chunk's byte format."""
+    start = 0
+    for plane in planes:
+        pages = plane.numpy()[slot * blocks_per_chunk:(slot + 1) * blocks_per_chunk].reshape(-1)
+        out[start:start + pages.size] = pages
+        start += pages.size
+
+
+def scatter_slot(planes: Sequence[torch.Tensor], slot: int, blocks_per_chunk: int, data: np.ndarray) -> None:
+    """Copy a chunk in its byte format (1-D uint8 ``data``) into slot ``slot`` of a planes slab."""
+    start = 0
+    for plane in planes:
+        pages = plane.numpy()[slot * blocks_per_chunk:(slot + 1) * blocks_per_chunk].reshape(-1)
+        pages[...] = data[start:start + pages.size]
+        start += pages.size
+
+
+def paired_runs(ours: Sequence[int], theirs: Sequence[int]) -> list[tuple[int, int]]:
+    """Runs ``(position, length)`` over which both id lists count up by one at a time."""
+    assert len(ours) == len(theirs)
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(ours)
+    while i < n:
+        j = i + 1
+        while j < n and ours[j] == ours[j - 1] + 1 and theirs[j] == theirs[j - 1] + 1:
+            j += 1
+        runs.append((i, j - i))
+        i = j
+    return runs
 
 
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -2,9 +2,9 @@
 
 A consumer READs hand-offs straight into its own KV blocks: from the
 producer's KV blocks (mode ``direct``: no host copy on either side,
-:func:`paired_descs`) or from the producer's host slots (mode ``via_host``,
-:func:`slot_descs`). Both workers describe their
-paged KV cache the same way, as :class:`BlockRegions`: one entry per region
+:func:`paired_descs`) or from the producer's host slots (mode ``via_host``:
+:func:`plane_descs` for a planes slab, the default, else
+:func:`slot_descs`). Both workers describe their paged KV cache the same way, as :class:`BlockRegions`: one entry per region
 of :class:`tiercache.layout.KVBlockLayout` (a layer's K or V pages, say), each
 ``num_blocks`` pages of ``page`` bytes, ``stride`` bytes apart, starting at
 ``addr``. A block's data is then, per region ``r``, the byte run
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.layout import KVBlockLayout, block_runs, region_offsets
+from tiercache.layout import KVBlockLayout, block_runs, paired_runs, region_offsets
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,19 @@ class BlockRegions:
             num_blocks=layout.num_blocks,
             mem_type="VRAM" if on_gpu else "DRAM",
             device_id=int(device.index or 0) if on_gpu else 0,
+        )
+
+    @classmethod
+    def from_planes(cls, planes: Sequence[Any]) -> BlockRegions:
+        """A planes host slab's planes (:func:`tiercache.layout.slab_planes`) as blocks: host
+        block ``slot * blocks_per_chunk + position`` (host memory, so DRAM even beside a GPU)."""
+        return cls(
+            addrs=tuple(int(p.data_ptr()) for p in planes),
+            strides=tuple(int(p.stride(0)) for p in planes),
+            pages=tuple(int(p.shape[1]) for p in planes),
+            num_blocks=int(planes[0].shape[0]),
+            mem_type="DRAM",
+            device_id=0,
         )
 
     def spans(self) -> list[tuple[int, int, int, str]]:
@@ -114,15 +127,7 @@ def paired_descs(ours: BlockRegions, theirs: BlockRegions, our_blocks: Sequence[
     on both sides form one descriptor per region where pages are contiguous
     (stride == page).
     """
-    assert len(our_blocks) == len(their_blocks)
-    runs: list[tuple[int, int]] = []
-    i, n = 0, len(our_blocks)
-    while i < n:
-        j = i + 1
-        while j < n and our_blocks[j] == our_blocks[j - 1] + 1 and their_blocks[j] == their_blocks[j - 1] + 1:
-            j += 1
-        runs.append((i, j - i))
-        i = j
+    runs = paired_runs(our_blocks, their_blocks)
     local: list[tuple[int, int, int]] = []
     remote: list[tuple[int, int, int]] = []
     for r, page in enumerate(ours.pages):
@@ -136,6 +141,32 @@ def paired_descs(ours: BlockRegions, theirs: BlockRegions, our_blocks: Sequence[
                 local.append((oa + ob * os_, page, ours.device_id))
                 remote.append((ta + tb * ts, page, theirs.device_id))
     return np.asarray(local, dtype=np.int64).reshape(-1, 3), np.asarray(remote, dtype=np.int64).reshape(-1, 3)
+
+
+def plane_descs(ours: BlockRegions, planes: BlockRegions, num_slots: int, slots: Sequence[int],
+                firsts: Sequence[int], our_blocks: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`slot_descs` for a producer whose slab is planes (it sent its ``planes``).
+
+    Chunk ``i`` is host blocks ``slots[i] * bpc + firsts[i] ..`` of the planes, so the
+    whole hand-off pairs host blocks with ours, and every run consecutive on both
+    sides (consecutive slots, consecutive blocks) is one descriptor per region.
+    ValueError if a chunk overflows its slot or the planes do not match our pages.
+    """
+    why = ours.mismatch(planes)
+    if why:
+        raise ValueError(f"host slab planes do not match our blocks: {why}")
+    if num_slots <= 0 or planes.num_blocks % num_slots:
+        raise ValueError(f"{planes.num_blocks} host blocks do not divide into {num_slots} slots")
+    bpc = planes.num_blocks // num_slots
+    theirs: list[int] = []
+    flat: list[int] = []
+    for slot, first, blocks in zip(slots, firsts, our_blocks):
+        if first < 0 or first + len(blocks) > bpc:
+            raise ValueError(f"positions {first}..{first + len(blocks) - 1} overflow a {bpc}-block chunk")
+        base = slot * bpc + first
+        theirs.extend(range(base, base + len(blocks)))
+        flat.extend(blocks)
+    return paired_descs(ours, planes, flat, theirs)
 
 
 def slot_descs(ours: BlockRegions, slab_addr: int, slot_bytes: int, slots: Sequence[int],

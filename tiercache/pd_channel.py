@@ -15,6 +15,7 @@ Messages are msgpack maps framed by a 4-byte big-endian length, bounded by
                                                 "fingerprint": {...}, "slab_addr": int,
                                                 "slot_bytes": int, "num_slots": int,
                                                 "tags_addr": int,
+                                                planes slab: "slot_planes": {...},
                                                 mode direct: "blocks": {...},
                                                 "block_tags_addr": int}
                                                or {"ok": false, "error": "..."}
@@ -170,8 +171,9 @@ class ProducerEndpoint:
     def __init__(self, slab_addr: int, slot_bytes: int, num_slots: int,
                  fingerprint: dict[str, Any], host: str, port: int,
                  error_handling: str = "none", busy_progress: bool = False,
-                 blocks: BlockRegions | None = None) -> None:
+                 blocks: BlockRegions | None = None, slot_planes: BlockRegions | None = None) -> None:
         self.slab_addr, self.slot_bytes, self.num_slots = slab_addr, slot_bytes, num_slots
+        self.slot_planes = slot_planes  # a planes slab's planes (inside the slab), else None
         self.fingerprint = fingerprint
         self.tags = np.zeros(num_slots, dtype=np.uint64)  # written by this worker thread only
         self.agent = make_agent("producer", error_handling)
@@ -373,6 +375,8 @@ class ProducerEndpoint:
                   "fingerprint": self.fingerprint, "slab_addr": self.slab_addr,
                   "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
                   "tags_addr": int(self.tags.ctypes.data)}
+        if self.slot_planes is not None:
+            answer["slot_planes"] = self.slot_planes.to_wire()
         if self.blocks is not None:
             answer["blocks"] = self.blocks.to_wire()
             answer["block_tags_addr"] = int(self.block_tags.ctypes.data)
@@ -443,6 +447,8 @@ class PeerLink:
             self.slot_bytes = int(reply["slot_bytes"])
             self.num_slots = int(reply["num_slots"])
             self.tags_addr = int(reply["tags_addr"])
+            # a planes slab: where each region's plane of host blocks lies (absent: slots)
+            self.slot_planes = BlockRegions.from_wire(reply["slot_planes"]) if "slot_planes" in reply else None
             # mode direct: the producer's KV blocks and their tags (absent when it exposes none)
             self.blocks = BlockRegions.from_wire(reply["blocks"]) if "blocks" in reply else None
             self.block_tags_addr = int(reply.get("block_tags_addr", 0))

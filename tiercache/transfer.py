@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from tiercache.backend import JobResult
 from tiercache.backends.cpu import HostTier
 from tiercache.config import FaultConfig
 from tiercache.device import BlockCopier, CopyJob, CopySegment, Direction, make_copier, zero_blocks
-from tiercache.layout import KVBlockLayout
+from tiercache.layout import KVBlockLayout, SlotLayout, slab_planes
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class TransferEngine:
         copy_threads: int | None = None,
         prefault_host: bool = False,
         huge_host: bool = False,
+        slot_layout: SlotLayout = "slots",
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = blocks_per_chunk
@@ -64,8 +67,13 @@ class TransferEngine:
                 f"host tier slot is {self.host.slot_bytes} bytes, the engine's chunk is "
                 f"{layout.slot_bytes(blocks_per_chunk)} bytes"
             )
+        self.slot_layout: SlotLayout = slot_layout
+        # planes: the slab as one plane of pages per region (tiercache.layout), else None
+        self.planes: tuple[torch.Tensor, ...] | None = (
+            slab_planes(self.host.slab, layout.page_bytes, blocks_per_chunk) if slot_layout == "planes" else None
+        )
         self.copier: BlockCopier = make_copier(
-            layout, self.host.slab, blocks_per_chunk, copy_threads=copy_threads
+            layout, self.host.slab, blocks_per_chunk, copy_threads=copy_threads, planes=self.planes
         )
         self.faults = faults or FaultConfig()
         self._inflight: dict[int, TransferJobSpec] = {}

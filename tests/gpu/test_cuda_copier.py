@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from tiercache.cuda_copier import CudaStreamCopier
 from tiercache.device import CopyJob, CopySegment, make_copier
-from tiercache.layout import KVBlockLayout
+from tiercache.layout import KVBlockLayout, gather_slot, slab_planes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,6 +115,34 @@ def test_round_trip_through_pinned_slab(dtype: torch.dtype, kv_split: bool, copi
             before[name].index_select(dim, idx).view(torch.uint8),
         )
         assert int(t.index_select(dim, rest).view(torch.uint8).count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("kv_split", [False, True], ids=["kv-in-block", "kv-apart"])
+def test_round_trip_through_a_pinned_slab_in_planes(kv_split: bool, copiers: list) -> None:
+    """Layout planes (a via_host producer's): the slab gathered per slot holds what layout slots holds."""
+    kvs = make_kvs(torch.float32, kv_split)
+    layout = KVBlockLayout.from_kv_caches(kvs, NUM_BLOCKS)
+    slab = torch.zeros(len(SEGMENTS), layout.slot_bytes(BPC), dtype=torch.uint8, pin_memory=True)
+    planes = slab_planes(slab, layout.page_bytes, BPC)
+    copier = make_copier(layout, slab, BPC, planes=planes)
+    assert isinstance(copier, CudaStreamCopier)
+    copiers.append(copier)
+    copier.submit(CopyJob(1, "store", SEGMENTS))
+    assert copier.wait_all()[0].ok
+    chunk = np.empty(slab.shape[1], dtype=np.uint8)
+    for seg in SEGMENTS:
+        gather_slot(planes, seg.slot, BPC, chunk)
+        assert np.array_equal(chunk, expected_slot(kvs, seg, slab.shape[1]).numpy()), seg  # both zero elsewhere
+    before = {name: t.clone() for name, t in kvs.items()}
+    for t in kvs.values():
+        t.zero_()
+    copier.submit(CopyJob(2, "load", SEGMENTS))
+    assert copier.wait_all()[0].ok
+    loaded = torch.tensor(sorted({b for seg in SEGMENTS for b in seg.block_ids}), device="cuda")
+    for name, t in kvs.items():
+        dim = 1 if kv_split else 0
+        assert torch.equal(t.index_select(dim, loaded).view(torch.uint8),
+                           before[name].index_select(dim, loaded).view(torch.uint8))
 
 
 def test_bad_segment_is_a_failed_job(copiers: list) -> None:

@@ -30,7 +30,7 @@ pytest.importorskip("nixl._api")
 from tiercache.backend import JobResult  # noqa: E402
 from tiercache.backends.nixl_peer import PEER_HOST_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
 from tiercache.device import CopySegment  # noqa: E402
-from tiercache.layout import KVBlockLayout  # noqa: E402
+from tiercache.layout import KVBlockLayout, slab_planes  # noqa: E402
 from tiercache.pd_blocks import BlockRegions  # noqa: E402
 from tiercache.pd_channel import ProducerEndpoint  # noqa: E402
 from tests.e2e.conftest import free_port  # noqa: E402
@@ -286,3 +286,73 @@ def test_garbage_on_the_side_channel_harms_no_one(pair) -> None:
     peer.expect({b"g" * 16: chunk(port, 6)})
     peer.submit_blocks(6, [b"g" * 16], into((12, 13)))
     assert wait_result(peer).ok and cons.holds(prod[6], (12, 13))
+
+
+@pytest.fixture
+def plane_pair():
+    """A producer whose slab is in layout planes (the via_host default): it sends its planes."""
+    prod_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
+    cons = ConsumerKV()
+    planes = slab_planes(prod_slab, cons.layout.page_bytes, BPC)
+    port = free_port()
+    server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port,
+                              slot_planes=BlockRegions.from_planes(planes))
+    server.set_holding(True)
+    stepper = Stepper(server)
+    peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, max_blocks=BLOCKS)
+    peer.expose_blocks(cons.regions)
+    yield prod_slab, planes, cons, server, peer, port
+    peer.close()
+    stepper.stop()
+    server.close()
+
+
+def holds_planes(cons: ConsumerKV, planes: tuple[torch.Tensor, ...], slot: int, blocks: tuple[int, ...],
+                 first: int = 0) -> bool:
+    """Our ``blocks`` hold slot ``slot`` of a planes slab (from position ``first``), byte for byte."""
+    return all(torch.equal(region[block], plane[slot * BPC + pos])
+               for region, plane in zip(cons.layout.regions, planes)
+               for pos, block in enumerate(blocks, start=first))
+
+
+def test_planes_slab_reads_a_run_of_slots_in_one_descriptor_per_region(plane_pair) -> None:
+    prod, planes, cons, server, peer, port = plane_pair
+    prod.copy_(torch.from_numpy(np.random.default_rng(3).integers(0, 256, prod.shape, dtype=np.uint8)))
+    keys = [bytes([65 + i]) * 16 for i in range(3)]
+    server.slot_filled(keys, [3, 4, 5])
+    peer.expect({k: chunk(port, s, "req-run") for k, s in zip(keys, (3, 4, 5))})
+    peer.submit_blocks(1, keys, into((6, 7), (8, 9), (10, 11)))  # consecutive slots into consecutive blocks
+    res = wait_result(peer)
+    assert res.ok and res.bytes == 3 * SLOT
+    assert all(holds_planes(cons, planes, s, b) for s, b in ((3, (6, 7)), (4, (8, 9)), (5, (10, 11))))
+    assert peer.counters["data_descs"] == len(cons.layout.regions)  # 4, not 3 chunks x 4 regions
+    assert cons.untouched((0, 1, 2, 3, 4, 5, 12, 13, 14, 15))
+    # no run: slots apart, blocks out of order, and a partial chunk from position 1
+    more = [b"x" * 16, b"y" * 16]
+    server.slot_filled(more, [0, 7])
+    peer.expect({more[0]: chunk(port, 0, "req-apart"), more[1]: chunk(port, 7, "req-apart")})
+    peer.submit_blocks(2, more, [CopySegment(-1, 0, (3, 0)), CopySegment(-1, 1, (14,))])
+    assert wait_result(peer).ok
+    assert holds_planes(cons, planes, 0, (3, 0)) and holds_planes(cons, planes, 7, (14,), first=1)
+
+
+def test_planes_that_do_not_match_our_blocks_fail_the_read(plane_pair) -> None:
+    _prod, _planes, cons, server, _peer, port = plane_pair
+    # a producer that announces planes of another page size (a broken or foreign producer)
+    other_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
+    wrong = slab_planes(other_slab, [p * 2 for p in cons.layout.page_bytes], BPC // 2)
+    bad_port = free_port()
+    bad = ProducerEndpoint(other_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", bad_port,
+                           slot_planes=BlockRegions.from_planes(wrong))
+    bad.set_holding(True)
+    reader = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, max_blocks=BLOCKS)
+    reader.expose_blocks(cons.regions)
+    try:
+        bad.slot_filled([b"m" * 16], [1])
+        reader.expect({b"m" * 16: chunk(bad_port, 1)})
+        reader.submit_blocks(1, [b"m" * 16], into((0, 1)))
+        assert wait_result(reader).failed_keys == (b"m" * 16,)
+        assert cons.untouched((0, 1))
+    finally:
+        reader.close()
+        bad.close()
