@@ -47,45 +47,60 @@ release the GIL. Finished jobs reach the owner through a locked list that
 ``poll`` drains. Remapping the environment (adopting a map that another
 process grew) waits until no transaction of this process is open
 (:class:`_MapGate`).
+
+Files. This module holds the settings and the backend. The environment layer
+(sizing, sub-database names, :class:`_SharedEnvironment`, :class:`_MapGate`) is
+in :mod:`tiercache.backends.lmdb_env`, the frame format (:class:`_Framer`) in
+:mod:`tiercache.backends.lmdb_frames`, and the I/O threads (:class:`_Workers`)
+in :mod:`tiercache.backends.lmdb_workers`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import mmap
-import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import lmdb
-import numpy as np
 from pydantic import Field
 
-from tiercache import integrity
 from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+from tiercache.backends.lmdb_env import (
+    LMDB_PAGE_HEADER_BYTES,
+    MAP_HEADROOM_FRACTION,
+    MAP_HEADROOM_MIN_BYTES,
+    MAX_KEY_BYTES,
+    _SharedEnvironment,
+    database_name,
+    default_map_size,
+    environment_options,
+    max_frame_bytes,
+)
+from tiercache.backends.lmdb_frames import _Framer, _Load
+from tiercache.backends.lmdb_workers import _Every, _Job, _Workers
 from tiercache.buffers import as_key_bytes, flat_byte_view
 from tiercache.counters import Counters
 from tiercache.config import ByteSize
 
 logger = logging.getLogger(__name__)
 
-#: Longest chunk key this tier stores (namespace 8 + prefix hash + group 4; vLLM's
-#: block hashes are at most 32 bytes). The budget counts every frame at this key length.
-MAX_KEY_BYTES = 128
-#: Bytes LMDB puts in front of a value that spills into overflow pages (a page header).
-LMDB_PAGE_HEADER_BYTES = 16
-#: Map headroom over the pages the budget's chunks occupy: a fraction, and a floor.
-MAP_HEADROOM_FRACTION = 0.25
-MAP_HEADROOM_MIN_BYTES = 64 << 20
-#: Named databases one process may open in one environment (one per namespace and rank).
-_MAX_DBS = 64
+# The sizing names are defined in lmdb_env and re-exported here, where tests and bench import them.
+__all__ = [
+    "LMDB_PAGE_HEADER_BYTES",
+    "MAP_HEADROOM_FRACTION",
+    "MAP_HEADROOM_MIN_BYTES",
+    "MAX_KEY_BYTES",
+    "LMDBBackend",
+    "LMDBSettings",
+    "database_name",
+    "default_map_size",
+    "environment_options",
+    "max_frame_bytes",
+]
+
 #: A record in the main database that a transaction rewrites to move LMDB's txn id on.
 _TICK_KEY = b"tiercache/tick"
 
@@ -125,297 +140,8 @@ class LMDBSettings(BackendSettings):
     )
 
 
-# ------------------------------------------------------------------------------ sizing
-def max_frame_bytes(chunk_bytes: int) -> int:
-    """The largest compact frame of a ``chunk_bytes`` payload (key of MAX_KEY_BYTES)."""
-    return integrity.compact_header_len(MAX_KEY_BYTES) + chunk_bytes
-
-
-def default_map_size(capacity_chunks: int, frame_bytes: int, page_size: int = mmap.PAGESIZE) -> int:
-    """Map size for ``capacity_chunks`` frames of up to ``frame_bytes`` each.
-
-    A value larger than a page lives in its own run of overflow pages behind a
-    16-byte page header, so each chunk occupies ``ceil((frame + 16) / page)``
-    whole pages (LMDB's page is the OS page). On top of that: 25% (at least
-    64 MiB) for the B-tree's branch and leaf pages, LMDB's free-page list, and
-    copy-on-write (a write transaction takes new pages while pages freed by
-    deletes are still visible to older read transactions, in this or another
-    process). The map is address space, not disk: the file grows as pages are used.
-    """
-    pages_per_chunk = -(-(frame_bytes + LMDB_PAGE_HEADER_BYTES) // page_size)
-    data = capacity_chunks * pages_per_chunk * page_size
-    headroom = max(int(data * MAP_HEADROOM_FRACTION), MAP_HEADROOM_MIN_BYTES)
-    return -(-(data + headroom) // page_size) * page_size
-
-
-def environment_options(settings: LMDBSettings, map_size: int) -> dict[str, Any]:
-    """Keyword arguments of ``lmdb.open`` for these settings (the benchmark's raw runs use them)."""
-    return {
-        "map_size": map_size,
-        "subdir": settings.subdir,
-        "readonly": settings.readonly,
-        "sync": settings.sync,
-        "metasync": settings.sync,
-        "max_readers": settings.max_readers,
-        "max_dbs": _MAX_DBS,
-        "max_spare_txns": 1,
-        "lock": True,
-    }
-
-
-def database_name(namespace: bytes, rank: int = 0) -> bytes:
-    """The named sub-database of one namespace and TP rank (tied to the frame format)."""
-    return b"tiercache/frames-v%d/%s/rank%d" % (
-        integrity.FORMAT_VERSION, namespace.hex().encode(), rank,
-    )
-
-
-# ----------------------------------------------------------------------------- framing
-class _Load(enum.Enum):
-    OK = "ok"
-    MISSING = "missing"
-    CORRUPT = "corrupt"  # failed verification: damaged, or not the frame asked for
-    WRONG_SIZE = "wrong_size"  # intact, but the caller's buffer has another length
-
-
-class _Framer:
-    """The one place this module frames and verifies chunks (:mod:`tiercache.integrity`).
-
-    Frames are compact: the header right before the payload, the whole LMDB
-    value. ``frame`` reuses one staging buffer, so only one thread (the writer)
-    may call it; ``unframe`` keeps no state and runs on every get thread.
-    """
-
-    def __init__(self, namespace: bytes, chunk_bytes: int) -> None:
-        self.namespace = namespace
-        self._stage(max_frame_bytes(chunk_bytes))
-
-    def _stage(self, size: int) -> None:
-        self._staging = memoryview(bytearray(size))
-        self._staging_array = np.frombuffer(self._staging, dtype=np.uint8)
-
-    def frame(self, key: bytes, payload: memoryview) -> memoryview:
-        """The frame of ``payload`` under ``key``, in the staging buffer, valid until the next call.
-
-        The payload is copied first and checksummed in the staging buffer: the
-        hash then reads cache-warm bytes and covers exactly the bytes stored.
-        """
-        start = integrity.compact_header_len(len(key))
-        end = start + payload.nbytes
-        if end > len(self._staging):
-            self._stage(end)
-        np.copyto(self._staging_array[start:end], np.frombuffer(payload, dtype=np.uint8))
-        frame = self._staging[:end]
-        integrity.pack_header(frame, self.namespace, key, frame[start:])
-        return frame
-
-    def unframe(self, key: bytes, frame: memoryview, out: memoryview) -> _Load:
-        """Verify ``frame`` as ``key``'s, then copy its payload into ``out`` (else untouched)."""
-        # Our frames are compact, so the header of this key's frame is this long;
-        # verify_frame checks magic, version, namespace, key, the payload length
-        # (the rest of the value) and the checksum, which covers the header length.
-        header_len = integrity.compact_header_len(len(key))
-        try:
-            if frame.nbytes < header_len:
-                raise integrity.FrameFormatError(f"a value of {frame.nbytes} bytes is no frame")
-            payload = frame[header_len:]
-            integrity.verify_frame(frame[:header_len], payload, self.namespace, key)
-        except integrity.IntegrityError as exc:
-            logger.warning("lmdb tier: dropping chunk %s: %s", key.hex(), exc)
-            return _Load.CORRUPT
-        if payload.nbytes != out.nbytes:
-            return _Load.WRONG_SIZE
-        _copy(out, payload)
-        return _Load.OK
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` for flat byte views, through numpy, which releases the GIL."""
-    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-
-
-
-
-
-# ------------------------------------------------------------------------ environment
-class _MapGate:
-    """Shared while a transaction is open in this process; exclusive to remap the environment.
-
-    LMDB's ``set_mapsize`` ends every transaction of the process and moves the
-    map, so it must not run while any thread reads from the map.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._open = 0
-        self._remapping = False
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._remapping)
-            self._open += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._open -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._remapping)
-            self._remapping = True
-            self._cond.wait_for(lambda: self._open == 0)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._remapping = False
-                self._cond.notify_all()
-
-
-class _SharedEnvironment:
-    """One ``lmdb.Environment`` per environment per process, shared by that process's backends."""
-
-    _open: dict[str, _SharedEnvironment] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, env: lmdb.Environment, where: str) -> None:
-        self.env = env
-        self.gate = _MapGate()
-        self.readonly = bool(env.flags()["readonly"])
-        self._where = where
-        self._users = 1
-
-    @classmethod
-    def acquire(cls, settings: LMDBSettings, map_size: int) -> _SharedEnvironment:
-        """Open the environment at ``settings.path``, or join this process's open one."""
-        if settings.subdir and not settings.readonly:
-            settings.path.mkdir(parents=True, exist_ok=True)
-        where = os.path.realpath(settings.path)
-        with cls._lock:
-            shared = cls._open.get(where)
-            if shared is None:
-                env = lmdb.open(str(settings.path), **environment_options(settings, map_size))
-                env.reader_check()  # free the reader slots of processes that died
-                shared = cls._open[where] = cls(env, where)
-                return shared
-            if shared.readonly and not settings.readonly:
-                raise ValueError(f"lmdb environment {where} is open read-only in this process")
-            shared._users += 1
-        shared.grow_map(map_size)
-        return shared
-
-    def release(self) -> None:
-        """Drop one user; the last one closes the environment."""
-        with self._lock:  # closed under the lock: a new open of the same files waits for it
-            self._users -= 1
-            if self._users == 0:
-                del self._open[self._where]
-                self.env.close()
-
-    def grow_map(self, map_size: int) -> None:
-        """Make the map at least ``map_size`` bytes (a later backend may need more)."""
-        if map_size > self.env.info()["map_size"]:
-            with self.gate.exclusive():
-                self.env.set_mapsize(map_size)
-
-    def adopt_grown_map(self) -> None:
-        """Another process grew the map past ours: remap to the size it recorded."""
-        with self.gate.exclusive():
-            self.env.set_mapsize(0)
-        logger.info("lmdb tier: adopted map size %d", self.env.info()["map_size"])
-
-
-# ----------------------------------------------------------------------------- threads
-@dataclass(slots=True)
-class _Job:
-    kind: Literal["put", "get", "delete"]
-    job_id: int
-    keys: list[bytes]
-    views: list[memoryview] = field(default_factory=list)
-    refused: list[bytes] = field(default_factory=list)  # failed before reaching a thread
-    submitted: list[bytes] = field(default_factory=list)  # every key, as submitted
-
-
-class _Workers:
-    """The I/O threads and their two queues.
-
-    Every thread runs gets; thread 0 alone runs writes (puts and deletes), in
-    submission order, whenever no get is waiting: a get is what a request
-    waits for, a store can wait. LMDB allows one writer at a time anyway, and
-    readers run beside it.
-    """
-
-    def __init__(self, count: int, run: Callable[[_Job], None], name: str) -> None:
-        self._run = run
-        self._cond = threading.Condition()
-        self._reads: deque[_Job] = deque()
-        self._writes: deque[_Job] = deque()
-        self._stopping = False
-        self._threads = [
-            threading.Thread(target=self._serve, args=(i == 0,), name=f"{name}-io{i}", daemon=True)
-            for i in range(count)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def write(self, job: _Job) -> None:
-        self._enqueue(self._writes, job)
-
-    def read(self, job: _Job) -> None:
-        self._enqueue(self._reads, job)
-
-    def stop(self) -> None:
-        """Finish the queued jobs, then end the threads."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        for thread in self._threads:
-            thread.join()
-
-    def _enqueue(self, jobs: deque[_Job], job: _Job) -> None:
-        with self._cond:
-            jobs.append(job)
-            self._cond.notify_all()
-
-    def _serve(self, writer: bool) -> None:
-        while (job := self._next(writer)) is not None:
-            self._run(job)
-
-    def _next(self, writer: bool) -> _Job | None:
-        with self._cond:
-            while True:
-                if self._reads:
-                    return self._reads.popleft()
-                if writer and self._writes:
-                    return self._writes.popleft()
-                if self._stopping:
-                    return None
-                self._cond.wait()
-
-
 _COUNTERS = ("puts", "gets", "put_failures", "get_failures", "checksum_failures", "map_full",
              "delete_failures")
-
-
-
-
-class _Every:
-    """True at most once per ``seconds`` (to rate-limit a log line)."""
-
-    def __init__(self, seconds: float) -> None:
-        self._seconds = seconds
-        self._next = 0.0
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now < self._next:
-            return False
-        self._next = now + self._seconds
-        return True
 
 
 _Outcome = tuple[list[bytes], list[bytes], int]  # ok keys, failed keys, payload bytes moved

@@ -95,26 +95,20 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
 import re
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
-import redis
 from pydantic import Field, SecretStr, field_validator, model_validator
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import ClusterError, RedisClusterException, RedisError
-from redis.retry import Retry
 
 from tiercache import integrity
 from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+from tiercache.backends.redis_client import _TROUBLE, Client, _Framed, connect, parse_host_port
+from tiercache.backends.redis_link import LinkState, _Job, _Lane, _Link
 from tiercache.buffers import as_key_bytes, flat_byte_view
 from tiercache.counters import Counters
 
@@ -130,15 +124,10 @@ SMALL_BATCH = 1024
 #: URL schemes of a single server: TCP, TLS, unix socket.
 SCHEMES = ("redis", "rediss", "unix")
 
-Client = redis.Redis | RedisCluster
-#: Errors that say the server (or the path to it) is gone, not that one command failed.
-_TROUBLE: tuple[type[BaseException], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    ClusterError,  # ClusterDownError, MasterDownError: no usable master for a slot
-    RedisClusterException,  # no reachable startup node, slot not covered
-    OSError,
-)
+
+def redis_key(key: bytes) -> bytes:
+    """The Redis key of a chunk key."""
+    return KEY_TAG + key
 
 
 class RedisSettings(BackendSettings):
@@ -219,372 +208,11 @@ class RedisSettings(BackendSettings):
         return self
 
 
-def parse_host_port(node: str) -> tuple[str, int]:
-    """``"10.0.0.5:7000"`` -> ``("10.0.0.5", 7000)``; ValueError if it is not host:port."""
-    host, sep, port = node.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{node!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-def redis_key(key: bytes) -> bytes:
-    """The Redis key of a chunk key."""
-    return KEY_TAG + key
-
-
-# ------------------------------------------------------------------- serializing frames
-class _Framed:
-    """A frame as one command argument: our header, then the caller's payload (not joined)."""
-
-    __slots__ = ("header", "payload")
-
-    def __init__(self, header: bytes | bytearray, payload: memoryview) -> None:
-        self.header = header
-        self.payload = payload
-
-    def __len__(self) -> int:
-        return len(self.header) + self.payload.nbytes
-
-    def __repr__(self) -> str:
-        return f"<frame of {len(self)} bytes>"
-
-
-class _FramePacker:
-    """redis-py's command serializer, taught one more argument type: :class:`_Framed`.
-
-    A command without a frame goes to redis-py's own serializer. One with a
-    frame becomes RESP pieces: the bytes up to the frame's payload (the frame
-    header included) joined, then the payload view itself, which the
-    connection passes straight to ``socket.sendall``.
-    """
-
-    def __init__(self, fallback: Any) -> None:
-        self._fallback = fallback
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if not any(type(arg) is _Framed for arg in args):
-            return self._fallback.pack(*args)
-        pieces: list[bytes | memoryview] = []
-        head = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            if type(arg) is _Framed:
-                head += (b"$%d\r\n" % len(arg), bytes(arg.header))
-                pieces += (b"".join(head), arg.payload)
-                head = [b"\r\n"]
-            else:
-                value = _encode_arg(arg)
-                head += (b"$%d\r\n" % len(value), value, b"\r\n")
-        pieces.append(b"".join(head))
-        return pieces
-
-
-def _encode_arg(arg: Any) -> bytes:
-    if isinstance(arg, bytes):
-        return arg
-    if isinstance(arg, str):
-        return arg.encode()
-    if isinstance(arg, int) and not isinstance(arg, bool):
-        return b"%d" % arg
-    if isinstance(arg, (bytearray, memoryview)):
-        return bytes(arg)
-    raise redis.DataError(f"cannot send an argument of type {type(arg).__name__}")
-
-
-class _FramingMixin:
-    """Connections whose serializer sends frames without joining them (see _FramePacker)."""
-
-    def _construct_command_packer(self, packer: Any) -> _FramePacker:
-        return _FramePacker(super()._construct_command_packer(packer))  # type: ignore[misc]
-
-
-class _FramingConnection(_FramingMixin, redis.Connection):
-    pass
-
-
-class _FramingSSLConnection(_FramingMixin, redis.SSLConnection):
-    pass
-
-
-class _FramingUnixConnection(_FramingMixin, redis.UnixDomainSocketConnection):
-    pass
-
-
-_CONNECTIONS: dict[str, type[Any]] = {
-    "redis": _FramingConnection,
-    "rediss": _FramingSSLConnection,
-    "unix": _FramingUnixConnection,
-}
-
-
-def connect(settings: RedisSettings, client_name: str) -> Client:
-    """A new client for ``settings`` that has answered a PING (every master, for a cluster).
-
-    redis-py's own retries are off (one attempt, no sleep): this tier decides
-    when to try again. Raises a RedisError, RedisClusterException or OSError
-    when the server is not there.
-    """
-    common: dict[str, Any] = {
-        "socket_timeout": settings.socket_timeout,
-        "socket_connect_timeout": settings.connect_timeout,
-        "socket_keepalive": True,
-        "max_connections": settings.max_connections,
-        "retry": Retry(NoBackoff(), 0),
-        "client_name": client_name,
-    }
-    url = urlsplit(settings.url)
-    username = settings.username or url.username
-    password = settings.password.get_secret_value() if settings.password else url.password
-    if username:
-        common["username"] = username
-    if password:
-        common["password"] = password
-    client = _cluster_client(settings, common) if settings.cluster else _client(settings, common)
-    try:
-        if isinstance(client, RedisCluster):
-            client.ping(target_nodes=RedisCluster.PRIMARIES)
-        else:
-            client.ping()
-    except BaseException:
-        close_client(client)
-        raise
-    return client
-
-
-def _client(settings: RedisSettings, common: dict[str, Any]) -> redis.Redis:
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.url,
-        connection_class=_CONNECTIONS[urlsplit(settings.url).scheme],
-        timeout=settings.connect_timeout,  # waiting for a free connection
-        **common,
-    )
-    return redis.Redis(connection_pool=pool)
-
-
-def _cluster_client(settings: RedisSettings, common: dict[str, Any]) -> RedisCluster:
-    """A RedisCluster whose node connections are framing ones.
-
-    redis-py hands ``connection_class`` to the nodes' connection pools only
-    when the cluster is opened from a URL, so the first seed is given as one
-    (its port and host only: credentials travel in ``common``).
-    """
-    url = urlsplit(settings.url)
-    seeds = [parse_host_port(node) for node in settings.nodes] or [
-        (url.hostname or "127.0.0.1", url.port or 6379)
-    ]
-    host, port = seeds[0]
-    return RedisCluster(
-        url=f"redis://{f'[{host}]' if ':' in host else host}:{port}/0",
-        startup_nodes=[ClusterNode(h, p) for h, p in seeds[1:]],
-        connection_class=_FramingConnection,
-        require_full_coverage=True,
-        **common,
-    )
-
-
-def close_client(client: Client) -> None:
-    """Close ``client`` and every connection of its pools; errors are logged, not raised."""
-    try:
-        client.close()
-        if isinstance(client, redis.Redis):  # a pool passed in is not closed by close()
-            client.connection_pool.disconnect()
-    except (RedisError, RedisClusterException, OSError) as exc:
-        logger.debug("redis tier: closing a client: %s", exc)
-
-
-# ------------------------------------------------------------------- the link to Redis
-class LinkState(enum.Enum):
-    STARTING = "starting"  # the first connection attempt has not finished
-    UP = "up"
-    DOWN = "down"
-
-
-class _Link:
-    """The current client, whether Redis is reachable, and the reconnect thread.
-
-    ``client()`` never waits for I/O: it returns the client while the tier is
-    up and None while it is down. Only the reconnect thread connects; it sleeps
-    while the tier is up and wakes when a user reports trouble.
-    """
-
-    def __init__(
-        self, settings: RedisSettings, counters: Counters, name: str,
-        make_client: Callable[[], Client],
-    ) -> None:
-        self._settings = settings
-        self._counters = counters
-        self._name = name
-        self._make_client = make_client
-        self._cond = threading.Condition()
-        self._state = LinkState.STARTING
-        self._client: Client | None = None
-        self._retry_at = 0.0
-        self._backoff = settings.reconnect_initial_s
-        self._ever_up = False
-        self._closing = False
-        self._thread = threading.Thread(target=self._serve, name=f"{name}-reconnect", daemon=True)
-        self._thread.start()
-
-    @property
-    def state(self) -> LinkState:
-        return self._state
-
-    def client(self, wait_for_start: bool = False) -> Client | None:
-        """The client if the tier is up, else None. ``wait_for_start``: while the very first
-        connection attempt runs, wait for it (bounded by the socket timeouts)."""
-        with self._cond:
-            if wait_for_start and self._state is LinkState.STARTING:
-                limit = 2 * (self._settings.connect_timeout + self._settings.socket_timeout)
-                self._cond.wait_for(
-                    lambda: self._state is not LinkState.STARTING or self._closing, timeout=limit
-                )
-            return self._client if self._state is LinkState.UP and not self._closing else None
-
-    def trouble(self, client: Client, exc: BaseException) -> None:
-        """A user of ``client`` hit a connection-level error: count it; the tier goes down."""
-        self._counters.add(connection_errors=1)
-        with self._cond:
-            if client is not self._client or self._state is not LinkState.UP:
-                return  # an error of a client already replaced, or already known
-            self._state = LinkState.DOWN
-            self._backoff = self._settings.reconnect_initial_s
-            self._retry_at = time.monotonic() + self._jittered(self._backoff)
-            self._cond.notify_all()
-        logger.warning("redis tier %s: down (%s: %s); reconnecting with backoff",
-                       self._name, type(exc).__name__, exc)
-
-    def close(self) -> None:
-        """Stop the reconnect thread and close the client."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join()
-        with self._cond:
-            client, self._client = self._client, None
-        if client is not None:
-            close_client(client)
-
-    # ---------------------------------------------------------- reconnect thread
-    def _serve(self) -> None:
-        while self._await_attempt():
-            self._attempt()
-
-    def _await_attempt(self) -> bool:
-        """Sleep until a connection attempt is due; False when closing."""
-        with self._cond:
-            while not self._closing:
-                if self._state is LinkState.UP:
-                    self._cond.wait()
-                    continue
-                delay = self._retry_at - time.monotonic()
-                if delay <= 0:
-                    return True
-                self._cond.wait(timeout=delay)
-            return False
-
-    def _attempt(self) -> None:
-        self._counters.add(connect_attempts=1)
-        try:
-            client = self._make_client()
-        except (RedisError, OSError, RedisClusterException) as exc:
-            self._attempt_failed(exc)
-            return
-        except Exception as exc:  # unforeseen: logged in full, retried like any failure
-            logger.exception("redis tier %s: connecting failed unexpectedly", self._name)
-            self._attempt_failed(exc)
-            return
-        with self._cond:
-            old, self._client = self._client, client
-            self._state = LinkState.UP
-            self._backoff = self._settings.reconnect_initial_s
-            again, self._ever_up = self._ever_up, True
-            self._cond.notify_all()
-        if again:
-            self._counters.add(reconnects=1)
-            logger.warning("redis tier %s: reconnected", self._name)
-        if old is not None:
-            close_client(old)
-
-    def _attempt_failed(self, exc: BaseException) -> None:
-        with self._cond:
-            first = self._state is LinkState.STARTING
-            if not first:  # waits: initial, 2x initial, 4x initial, ... up to the maximum
-                self._backoff = min(2 * self._backoff, self._settings.reconnect_max_s)
-            self._state = LinkState.DOWN
-            wait = self._jittered(self._backoff)
-            self._retry_at = time.monotonic() + wait
-            self._cond.notify_all()
-        log = logger.warning if first else logger.debug
-        log("redis tier %s: cannot connect (%s: %s); next attempt in %.2fs",
-            self._name, type(exc).__name__, exc, wait)
-
-    def _jittered(self, seconds: float) -> float:
-        return seconds * (1.0 + 0.25 * random.random())
-
-
-# ----------------------------------------------------------------------------- threads
-JobKind = Literal["put", "get", "delete", "contains"]
-
-
-@dataclass(slots=True)
-class _Job:
-    kind: JobKind
-    job_id: Any  # an int job id, or a lookup's token
-    keys: list[bytes]  # the chunk keys that reach Redis
-    views: list[memoryview] = field(default_factory=list)
-    submitted: list[Any] = field(default_factory=list)  # every key as submitted, refused too
-    refused: list[int] = field(default_factory=list)  # positions in ``submitted`` failed at intake
-
-
-class _Lane:
-    """Threads running jobs from prioritized queues: queue 0 first, FIFO within a queue."""
-
-    def __init__(self, name: str, threads: int, queues: int, run: Callable[[_Job], None]) -> None:
-        self._run = run
-        self._cond = threading.Condition()
-        self._queues: list[deque[_Job]] = [deque() for _ in range(queues)]
-        self._stopping = False
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def push(self, job: _Job, queue: int = 0) -> None:
-        with self._cond:
-            self._queues[queue].append(job)
-            self._cond.notify()
-
-    def stop(self) -> None:
-        """Run the queued jobs, then end the threads."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        for thread in self._threads:
-            thread.join()
-
-    def _serve(self) -> None:
-        while (job := self._next()) is not None:
-            self._run(job)
-
-    def _next(self) -> _Job | None:
-        with self._cond:
-            while True:
-                for queue in self._queues:
-                    if queue:
-                        return queue.popleft()
-                if self._stopping:
-                    return None
-                self._cond.wait()
-
-
 _COUNTERS = (
     "puts", "gets", "put_failures", "get_failures", "checksum_failures", "delete_failures",
     "lookups", "lookup_failures", "server_errors", "connection_errors", "connect_attempts",
     "reconnects",
 )
-
-
 
 
 class _Load(enum.Enum):
