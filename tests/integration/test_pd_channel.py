@@ -16,6 +16,7 @@ producer's UCX is progressed (its progress thread, or ``service()``).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -96,20 +97,31 @@ def wait_result(peer: NixlPeerTier, timeout: float = 30) -> JobResult:
     raise AssertionError("no result")
 
 
-@pytest.fixture
-def pair():
+@contextlib.contextmanager
+def producer_and_consumer(in_planes: bool = False):  # type: ignore[no-untyped-def]
+    """A producer endpoint over a fresh slab (layout planes: it announces them) and a consumer reading it."""
     prod_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
     cons = ConsumerKV()
+    planes = slab_planes(prod_slab, cons.layout.page_bytes, BPC) if in_planes else None
     port = free_port()
-    server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port)
+    server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port,
+                              slot_planes=BlockRegions.from_planes(planes) if planes is not None else None)
     server.set_holding(True)  # the scheduler says hand-offs are held
     stepper = Stepper(server)
     peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, max_blocks=BLOCKS)
     peer.expose_blocks(cons.regions)
-    yield prod_slab, cons, server, peer, port, stepper
-    peer.close()
-    stepper.stop()
-    server.close()
+    try:
+        yield prod_slab, planes, cons, server, peer, port, stepper
+    finally:
+        peer.close()
+        stepper.stop()
+        server.close()
+
+
+@pytest.fixture
+def pair():
+    with producer_and_consumer() as (prod_slab, _planes, cons, server, peer, port, stepper):
+        yield prod_slab, cons, server, peer, port, stepper
 
 
 def into(*blocks: tuple[int, ...]) -> list[CopySegment]:
@@ -291,20 +303,8 @@ def test_garbage_on_the_side_channel_harms_no_one(pair) -> None:
 @pytest.fixture
 def plane_pair():
     """A producer whose slab is in layout planes (the via_host default): it sends its planes."""
-    prod_slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
-    cons = ConsumerKV()
-    planes = slab_planes(prod_slab, cons.layout.page_bytes, BPC)
-    port = free_port()
-    server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port,
-                              slot_planes=BlockRegions.from_planes(planes))
-    server.set_holding(True)
-    stepper = Stepper(server)
-    peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, max_blocks=BLOCKS)
-    peer.expose_blocks(cons.regions)
-    yield prod_slab, planes, cons, server, peer, port
-    peer.close()
-    stepper.stop()
-    server.close()
+    with producer_and_consumer(in_planes=True) as (prod_slab, planes, cons, server, peer, port, _stepper):
+        yield prod_slab, planes, cons, server, peer, port
 
 
 def holds_planes(cons: ConsumerKV, planes: tuple[torch.Tensor, ...], slot: int, blocks: tuple[int, ...],
