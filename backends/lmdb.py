@@ -18,7 +18,7 @@ write. A process opened with ``readonly: true`` serves gets, ``contains`` and
 ``recover``; its puts fail. LMDB forbids opening one environment twice in a
 process, so backends of one process on the same ``path`` (the scheduler's
 recovery pass and a worker, or two ranks) share one ``lmdb.Environment``
-(:class:`_SharedEnvironment`); the first to open it sets its options. As
+(:class:`SharedEnvironment`); the first to open it sets its options. As
 with any LMDB handle, open a backend in the process that uses it (not across
 ``fork``).
 
@@ -39,7 +39,7 @@ Threads. ``submit_put``, ``submit_get``, ``delete``, ``poll``, ``contains``,
 but for ``close`` (which finishes the queued jobs), never wait for I/O
 (``contains``/``recover``/``stats`` run a short read transaction, which LMDB
 never blocks). Jobs run on the backend's own threads
-(``io_threads``, :class:`_Workers`): every one of them runs gets (one read
+(``io_threads``, :class:`Workers`): every one of them runs gets (one read
 transaction per job); the first also runs the writes (one write transaction
 per put job; deletes), in submission order, whenever no get is waiting. Each
 thread begins and ends its own transactions. Chunk copies and checksums
@@ -49,9 +49,9 @@ process grew) waits until no transaction of this process is open
 (:class:`_MapGate`).
 
 Files. This module holds the settings and the backend. The environment layer
-(sizing, sub-database names, :class:`_SharedEnvironment`, :class:`_MapGate`) is
-in :mod:`tiercache.backends.lmdb_env`, the frame format (:class:`_Framer`) in
-:mod:`tiercache.backends.lmdb_frames`, and the I/O threads (:class:`_Workers`)
+(sizing, sub-database names, :class:`SharedEnvironment`, :class:`_MapGate`) is
+in :mod:`tiercache.backends.lmdb_env`, the frame format (:class:`Framer`) in
+:mod:`tiercache.backends.lmdb_frames`, and the I/O threads (:class:`Workers`)
 in :mod:`tiercache.backends.lmdb_workers`.
 """
 
@@ -73,14 +73,14 @@ from tiercache.backends.lmdb_env import (
     MAP_HEADROOM_FRACTION,
     MAP_HEADROOM_MIN_BYTES,
     MAX_KEY_BYTES,
-    _SharedEnvironment,
+    SharedEnvironment,
     database_name,
     default_map_size,
     environment_options,
     max_frame_bytes,
 )
-from tiercache.backends.lmdb_frames import _Framer, _Load
-from tiercache.backends.lmdb_workers import _Every, _Job, _Workers
+from tiercache.backends.lmdb_frames import Framer, Load
+from tiercache.backends.lmdb_workers import Every, Job, Workers
 from tiercache.buffers import as_key_bytes, flat_byte_view
 from tiercache.counters import Counters
 from tiercache.config import ByteSize
@@ -173,7 +173,7 @@ class LMDBBackend(Backend):
         self.map_size = settings.map_size or default_map_size(
             self.capacity_chunks * max(1, context.world_size), self.frame_bytes
         )
-        self._framer = _Framer(context.namespace, context.chunk_bytes)
+        self._framer = Framer(context.namespace, context.chunk_bytes)
         self._counters = Counters(_COUNTERS)
         self._results: list[JobResult] = []
         self._results_lock = threading.Lock()
@@ -182,9 +182,9 @@ class LMDBBackend(Backend):
         self._deleting: dict[bytes, int] = {}
         self._deleting_lock = threading.Lock()
         self._db_lock = threading.Lock()
-        self._map_full_log = _Every(60.0)
+        self._map_full_log = Every(60.0)
         self._closed = False
-        self._shared = _SharedEnvironment.acquire(settings, self.map_size)
+        self._shared = SharedEnvironment.acquire(settings, self.map_size)
         self._env = self._shared.env
         self._gate = self._shared.gate
         try:
@@ -193,7 +193,7 @@ class LMDBBackend(Backend):
             self._shared.release()
             raise
         self._max_key = min(MAX_KEY_BYTES, self._env.max_key_size())
-        self._workers = _Workers(settings.io_threads, self._run, f"lmdb-{context.tier_name}")
+        self._workers = Workers(settings.io_threads, self._run, f"lmdb-{context.tier_name}")
 
     # ------------------------------------------------------------------ owner thread
     def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
@@ -219,7 +219,7 @@ class LMDBBackend(Backend):
         with self._deleting_lock:
             for key in keys:
                 self._deleting[key] = self._deleting.get(key, 0) + 1
-        self._workers.write(_Job("delete", -1, keys))
+        self._workers.write(Job("delete", -1, keys))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the environment holds now (written by any process); all False on an error."""
@@ -259,9 +259,9 @@ class LMDBBackend(Backend):
     def _intake(
         self, kind: Literal["put", "get"], job_id: int, keys: Sequence[bytes],
         views: Sequence[memoryview],
-    ) -> _Job | None:
+    ) -> Job | None:
         """Check a job's keys and buffers on the owner thread; None once it is already reported."""
-        job = _Job(kind, job_id, [], submitted=[as_key_bytes(k) for k in keys])
+        job = Job(kind, job_id, [], submitted=[as_key_bytes(k) for k in keys])
         if self._closed or len(keys) != len(views) or (kind == "put" and self.settings.readonly):
             job.refused = list(job.submitted)
         else:
@@ -295,7 +295,7 @@ class LMDBBackend(Backend):
             self._results.append(result)
 
     # ------------------------------------------------------------------ I/O threads
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: Job) -> None:
         """Run one job to its JobResult; nothing escapes into the thread."""
         start = time.perf_counter()
         try:
@@ -313,7 +313,7 @@ class LMDBBackend(Backend):
                                  time.perf_counter() - start))
         job.views.clear()  # no reference to the caller's buffers outlives the job
 
-    def _attempt(self, job: _Job) -> _Outcome:
+    def _attempt(self, job: Job) -> _Outcome:
         """Run the job; if another process grew the map past ours, adopt it and run once more."""
         run = {"put": self._put, "get": self._get, "delete": self._delete}[job.kind]
         try:
@@ -322,7 +322,7 @@ class LMDBBackend(Backend):
             self._shared.adopt_grown_map()
             return run(job)
 
-    def _put(self, job: _Job) -> _Outcome:
+    def _put(self, job: Job) -> _Outcome:
         try:
             return self._with_room(self._put_txn, job)
         except lmdb.MapFullError:
@@ -337,7 +337,7 @@ class LMDBBackend(Backend):
             self._counters.add(put_failures=len(job.keys))
         return [], list(job.keys), 0
 
-    def _with_room(self, txn_body: Callable[[_Job], _Outcome], job: _Job) -> _Outcome:
+    def _with_room(self, txn_body: Callable[[Job], _Outcome], job: Job) -> _Outcome:
         """Run a write transaction; if the map is full, make room once and run it again.
 
         LMDB reuses the pages a transaction freed only from the transaction after
@@ -355,7 +355,7 @@ class LMDBBackend(Backend):
                 txn.put(_TICK_KEY, time.time_ns().to_bytes(8, "little"))
             return txn_body(job)
 
-    def _put_txn(self, job: _Job) -> _Outcome:
+    def _put_txn(self, job: Job) -> _Outcome:
         """One write transaction: frame and put every chunk that fits the budget."""
         ok: list[bytes] = []
         over: list[bytes] = []
@@ -375,7 +375,7 @@ class LMDBBackend(Backend):
         self._counters.add(puts=len(ok), put_failures=len(over))
         return ok, over, moved
 
-    def _get(self, job: _Job) -> _Outcome:
+    def _get(self, job: Job) -> _Outcome:
         if self._current_db() is None:  # read-only, and no writer created the namespace yet
             self._counters.add(get_failures=len(job.keys))
             return [], list(job.keys), 0
@@ -390,7 +390,7 @@ class LMDBBackend(Backend):
         self._counters.add(gets=len(ok), get_failures=len(failed), checksum_failures=corrupt)
         return ok, failed, moved
 
-    def _get_txn(self, job: _Job) -> tuple[list[bytes], list[bytes], int, int]:
+    def _get_txn(self, job: Job) -> tuple[list[bytes], list[bytes], int, int]:
         """One read transaction: verify each frame in the map, then copy its payload out."""
         ok: list[bytes] = []
         failed: list[bytes] = []
@@ -399,18 +399,18 @@ class LMDBBackend(Backend):
             for key, view in zip(job.keys, job.views):
                 frame = None if key in self._deleting else txn.get(key)
                 if frame is None:
-                    outcome = _Load.MISSING
+                    outcome = Load.MISSING
                 else:
                     outcome = self._framer.unframe(key, frame, view)
-                if outcome is _Load.OK:
+                if outcome is Load.OK:
                     ok.append(key)
                     moved += view.nbytes
                 else:
                     failed.append(key)
-                    corrupt += outcome is _Load.CORRUPT
+                    corrupt += outcome is Load.CORRUPT
         return ok, failed, moved, corrupt
 
-    def _delete(self, job: _Job) -> _Outcome:
+    def _delete(self, job: Job) -> _Outcome:
         try:
             self._with_room(self._delete_txn, job)
         except lmdb.MapResizedError:
@@ -420,7 +420,7 @@ class LMDBBackend(Backend):
             self._counters.add(delete_failures=len(job.keys))
         return [], [], 0
 
-    def _delete_txn(self, job: _Job) -> _Outcome:
+    def _delete_txn(self, job: Job) -> _Outcome:
         with self._gate.shared(), self._env.begin(db=self._db, write=True) as txn:
             for key in job.keys:
                 txn.delete(key)
@@ -487,7 +487,7 @@ class LMDBBackend(Backend):
             return int(txn.stat(self._db)["entries"])
 
 
-def _in_order(job: _Job, failed: list[bytes]) -> list[bytes]:
+def _in_order(job: Job, failed: list[bytes]) -> list[bytes]:
     """The job's failed keys, those refused at intake included, in submission order."""
     if not job.refused:
         return failed

@@ -3,7 +3,7 @@
 :func:`max_frame_bytes` and :func:`default_map_size` size a chunk's frame and
 the map that holds the budget's frames; :func:`environment_options` gives the
 ``lmdb.open`` arguments of a tier's settings and :func:`database_name` the
-sub-database of a namespace and rank. :class:`_SharedEnvironment` keeps one
+sub-database of a namespace and rank. :class:`SharedEnvironment` keeps one
 ``lmdb.Environment`` per path per process (LMDB forbids opening one twice) and
 :class:`_MapGate` keeps remapping away from open transactions. The tier itself
 (:class:`~tiercache.backends.lmdb.LMDBBackend`) lives in ``lmdb.py``.
@@ -125,10 +125,10 @@ class _MapGate:
                 self._cond.notify_all()
 
 
-class _SharedEnvironment:
+class SharedEnvironment:
     """One ``lmdb.Environment`` per environment per process, shared by that process's backends."""
 
-    _open: dict[str, _SharedEnvironment] = {}
+    _open: dict[str, SharedEnvironment] = {}
     _lock = threading.Lock()
 
     def __init__(self, env: lmdb.Environment, where: str) -> None:
@@ -139,7 +139,7 @@ class _SharedEnvironment:
         self._users = 1
 
     @classmethod
-    def acquire(cls, settings: LMDBSettings, map_size: int) -> _SharedEnvironment:
+    def acquire(cls, settings: LMDBSettings, map_size: int) -> SharedEnvironment:
         """Open the environment at ``settings.path``, or join this process's open one."""
         if settings.subdir and not settings.readonly:
             settings.path.mkdir(parents=True, exist_ok=True)

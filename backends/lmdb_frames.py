@@ -1,8 +1,8 @@
 """The LMDB tier's value format: framing a chunk before a put, verifying it on a get.
 
 Every LMDB value of the tier is a compact frame of :mod:`tiercache.integrity`
-(header right before the payload); :class:`_Framer` builds and checks them and
-:class:`_Load` names what a get found. Threading: ``frame`` belongs to the
+(header right before the payload); :class:`Framer` builds and checks them and
+:class:`Load` names what a get found. Threading: ``frame`` belongs to the
 writer thread alone, ``unframe`` runs on any get thread.
 """
 
@@ -20,14 +20,14 @@ from tiercache.backends.lmdb_env import max_frame_bytes
 logger = logging.getLogger(f"{__package__}.lmdb")
 
 
-class _Load(enum.Enum):
+class Load(enum.Enum):
     OK = "ok"
     MISSING = "missing"
     CORRUPT = "corrupt"  # failed verification: damaged, or not the frame asked for
     WRONG_SIZE = "wrong_size"  # intact, but the caller's buffer has another length
 
 
-class _Framer:
+class Framer:
     """The one place this module frames and verifies chunks (:mod:`tiercache.integrity`).
 
     Frames are compact: the header right before the payload, the whole LMDB
@@ -58,7 +58,7 @@ class _Framer:
         integrity.pack_header(frame, self.namespace, key, frame[start:])
         return frame
 
-    def unframe(self, key: bytes, frame: memoryview, out: memoryview) -> _Load:
+    def unframe(self, key: bytes, frame: memoryview, out: memoryview) -> Load:
         """Verify ``frame`` as ``key``'s, then copy its payload into ``out`` (else untouched)."""
         # Our frames are compact, so the header of this key's frame is this long;
         # verify_frame checks magic, version, namespace, key, the payload length
@@ -71,11 +71,11 @@ class _Framer:
             integrity.verify_frame(frame[:header_len], payload, self.namespace, key)
         except integrity.IntegrityError as exc:
             logger.warning("lmdb tier: dropping chunk %s: %s", key.hex(), exc)
-            return _Load.CORRUPT
+            return Load.CORRUPT
         if payload.nbytes != out.nbytes:
-            return _Load.WRONG_SIZE
+            return Load.WRONG_SIZE
         _copy(out, payload)
-        return _Load.OK
+        return Load.OK
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:

@@ -1,9 +1,9 @@
 """The LMDB tier's I/O threads: the job record, the thread pool and its queues, a log rate limit.
 
-:class:`_Workers` runs every job of an
+:class:`Workers` runs every job of an
 :class:`~tiercache.backends.lmdb.LMDBBackend` on its own threads: all of them
 run gets, the first also runs puts and deletes in submission order. A
-:class:`_Job` holds the caller's buffers only until it has run.
+:class:`Job` holds the caller's buffers only until it has run.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 
 
 @dataclass(slots=True)
-class _Job:
+class Job:
     kind: Literal["put", "get", "delete"]
     job_id: int
     keys: list[bytes]
@@ -26,7 +26,7 @@ class _Job:
     submitted: list[bytes] = field(default_factory=list)  # every key, as submitted
 
 
-class _Workers:
+class Workers:
     """The I/O threads and their two queues.
 
     Every thread runs gets; thread 0 alone runs writes (puts and deletes), in
@@ -35,11 +35,11 @@ class _Workers:
     readers run beside it.
     """
 
-    def __init__(self, count: int, run: Callable[[_Job], None], name: str) -> None:
+    def __init__(self, count: int, run: Callable[[Job], None], name: str) -> None:
         self._run = run
         self._cond = threading.Condition()
-        self._reads: deque[_Job] = deque()
-        self._writes: deque[_Job] = deque()
+        self._reads: deque[Job] = deque()
+        self._writes: deque[Job] = deque()
         self._stopping = False
         self._threads = [
             threading.Thread(target=self._serve, args=(i == 0,), name=f"{name}-io{i}", daemon=True)
@@ -48,10 +48,10 @@ class _Workers:
         for thread in self._threads:
             thread.start()
 
-    def write(self, job: _Job) -> None:
+    def write(self, job: Job) -> None:
         self._enqueue(self._writes, job)
 
-    def read(self, job: _Job) -> None:
+    def read(self, job: Job) -> None:
         self._enqueue(self._reads, job)
 
     def stop(self) -> None:
@@ -62,7 +62,7 @@ class _Workers:
         for thread in self._threads:
             thread.join()
 
-    def _enqueue(self, jobs: deque[_Job], job: _Job) -> None:
+    def _enqueue(self, jobs: deque[Job], job: Job) -> None:
         with self._cond:
             jobs.append(job)
             self._cond.notify_all()
@@ -71,7 +71,7 @@ class _Workers:
         while (job := self._next(writer)) is not None:
             self._run(job)
 
-    def _next(self, writer: bool) -> _Job | None:
+    def _next(self, writer: bool) -> Job | None:
         with self._cond:
             while True:
                 if self._reads:
@@ -83,7 +83,7 @@ class _Workers:
                 self._cond.wait()
 
 
-class _Every:
+class Every:
     """True at most once per ``seconds`` (to rate-limit a log line)."""
 
     def __init__(self, seconds: float) -> None:

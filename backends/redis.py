@@ -79,9 +79,9 @@ Threads. The owner's thread calls ``submit_put``, ``submit_get``,
 ``submit_contains``, ``poll``, ``poll_contains``, ``delete``, ``stats``,
 ``contains`` and ``close``; none of them waits for I/O except ``contains``
 and ``close`` (which finishes the queued jobs first).
-``io_threads`` threads (:class:`_Lane`) run put, get and delete jobs, gets and
+``io_threads`` threads (:class:`Lane`) run put, get and delete jobs, gets and
 deletes before puts (a get is what a request waits for); a one-thread lane
-runs lookups; the reconnect thread (:class:`_Link`) owns the client's life:
+runs lookups; the reconnect thread (:class:`Link`) owns the client's life:
 it creates the client, probes, and replaces it after an outage. Results reach
 the owner through locked lists. Counters are bumped under a lock.
 
@@ -107,8 +107,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from tiercache import integrity
 from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
-from tiercache.backends.redis_client import _TROUBLE, Client, _Framed, connect, parse_host_port
-from tiercache.backends.redis_link import LinkState, _Job, _Lane, _Link
+from tiercache.backends.redis_client import TROUBLE, Client, Framed, connect, parse_host_port
+from tiercache.backends.redis_link import LinkState, Job, Lane, Link
 from tiercache.buffers import as_key_bytes, flat_byte_view
 from tiercache.counters import Counters
 
@@ -256,10 +256,10 @@ class RedisBackend(Backend):
         self._closed = False
         name = f"redis-{context.tier_name}"
         client_name = _client_name(context)
-        self._link = _Link(settings, self._counters, name,
+        self._link = Link(settings, self._counters, name,
                            lambda: connect(settings, client_name))
-        self._io = _Lane(f"{name}-io", settings.io_threads, 2, self._run)
-        self._lookups = _Lane(f"{name}-lookup", 1, 1, self._run)
+        self._io = Lane(f"{name}-io", settings.io_threads, 2, self._run)
+        self._lookups = Lane(f"{name}-lookup", 1, 1, self._run)
 
     # ------------------------------------------------------------------ owner thread
     @property
@@ -288,7 +288,7 @@ class RedisBackend(Backend):
         if self._closed or not any(map(self._storable, wanted)):
             self._answer(token, [False] * len(wanted))
         else:
-            self._lookups.push(_Job("contains", token, wanted))
+            self._lookups.push(Job("contains", token, wanted))
 
     def poll_contains(self) -> list[tuple[Hashable, list[bool]]]:
         """Answers to :meth:`submit_contains` since the last call: ``(token, held)``; never blocks."""
@@ -315,7 +315,7 @@ class RedisBackend(Backend):
         with self._deleting_lock:
             for key in keys:
                 self._deleting[key] = self._deleting.get(key, 0) + 1
-        self._io.push(_Job("delete", -1, keys), queue=0)
+        self._io.push(Job("delete", -1, keys), queue=0)
 
     def recover(self) -> tuple[bytes, ...]:
         """Nothing: a shared tier is looked up, not owned (see the module docstring)."""
@@ -344,9 +344,9 @@ class RedisBackend(Backend):
     def _intake(
         self, kind: Literal["put", "get"], job_id: int, keys: Sequence[bytes],
         views: Sequence[memoryview],
-    ) -> _Job | None:
+    ) -> Job | None:
         """Check a job's keys and buffers on the owner thread; None once it is already reported."""
-        job = _Job(kind, job_id, [], submitted=[as_key_bytes(k) for k in keys])
+        job = Job(kind, job_id, [], submitted=[as_key_bytes(k) for k in keys])
         if self._closed or len(keys) != len(views):
             job.refused = list(range(len(job.submitted)))
         else:
@@ -382,7 +382,7 @@ class RedisBackend(Backend):
             self._answers.append((token, held))
 
     # --------------------------------------------------------------- worker threads
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: Job) -> None:
         """Run one job to its result or answer; nothing escapes into the thread."""
         if job.kind == "contains":
             self._answer(job.job_id, self._lookup(job.keys))
@@ -404,7 +404,7 @@ class RedisBackend(Backend):
             self._push(JobResult(job.job_id, tuple(ok), tuple(failed), moved,
                                  time.perf_counter() - start))
 
-    def _dispatch(self, job: _Job) -> _Outcome:
+    def _dispatch(self, job: Job) -> _Outcome:
         client = self._link.client(wait_for_start=True)
         if job.kind == "put":
             return self._put(client, job)
@@ -420,7 +420,7 @@ class RedisBackend(Backend):
             logger.exception("redis tier: lookup of %d keys failed", len(keys))
             return [False] * len(keys)
 
-    def _put(self, client: Client | None, job: _Job) -> _Outcome:
+    def _put(self, client: Client | None, job: Job) -> _Outcome:
         ok: list[bytes] = []
         moved = errors = 0
         ex = ("EX", self.settings.ttl_seconds) if self.settings.ttl_seconds else ()
@@ -428,7 +428,7 @@ class RedisBackend(Backend):
         def command(pair: tuple[bytes, memoryview]) -> tuple[Any, ...]:
             key, view = pair
             header = integrity.frame_header(self.context.namespace, key, view)
-            return ("SET", redis_key(key), _Framed(header, view), *ex)
+            return ("SET", redis_key(key), Framed(header, view), *ex)
 
         pairs = list(zip(job.keys, job.views))
         for batch, replies in self._pipelines(client, pairs, self.settings.pipeline_batch, command):
@@ -442,7 +442,7 @@ class RedisBackend(Backend):
         self._counters.add(puts=len(ok), put_failures=len(failed), server_errors=errors)
         return ok, failed, moved
 
-    def _get(self, client: Client | None, job: _Job) -> _Outcome:
+    def _get(self, client: Client | None, job: Job) -> _Outcome:
         ok: list[bytes] = []
         moved = corrupt = errors = 0
         pairs = [(k, v) for k, v in zip(job.keys, job.views) if k not in self._deleting]
@@ -497,7 +497,7 @@ class RedisBackend(Backend):
         self._counters.add(lookups=len(keys), lookup_failures=len(asked) - answered)
         return held
 
-    def _delete(self, client: Client | None, job: _Job) -> None:
+    def _delete(self, client: Client | None, job: Job) -> None:
         done = 0
         batches = self._pipelines(client, job.keys, SMALL_BATCH,
                                   lambda key: ("UNLINK", redis_key(key)))
@@ -523,14 +523,14 @@ class RedisBackend(Backend):
                 for item in batch:
                     pipe.execute_command(*command(item))
                 replies = pipe.execute(raise_on_error=False)
-            except _TROUBLE as exc:
+            except TROUBLE as exc:
                 self._link.trouble(client, exc)
                 return
             yield batch, replies
 
     def _reply_error(self, client: Client | None, error: BaseException) -> int:
         """Classify an error in one command's place: 1 if the server refused it, 0 if trouble."""
-        if isinstance(error, _TROUBLE):
+        if isinstance(error, TROUBLE):
             if client is not None:
                 self._link.trouble(client, error)
             return 0
@@ -566,7 +566,7 @@ def _missing(keys: list[bytes], ok: list[bytes]) -> list[bytes]:
     return [k for k in keys if k not in done]
 
 
-def _in_order(job: _Job, failed: list[bytes]) -> list[bytes]:
+def _in_order(job: Job, failed: list[bytes]) -> list[bytes]:
     """The job's failed keys, those refused at intake included, in submission order."""
     if not job.refused:
         return failed

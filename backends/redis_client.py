@@ -1,10 +1,10 @@
 """The client layer of the Redis tier: connections that send frames unjoined, and clients.
 
 :func:`connect` makes a redis-py client (one server or a cluster) whose
-connections serialize a :class:`_Framed` argument as RESP pieces, so a
+connections serialize a :class:`Framed` argument as RESP pieces, so a
 chunk's payload view goes from the caller's buffer to the socket without a
 copy (and is never kept past the send); :func:`close_client` closes one;
-``_TROUBLE`` tells a lost server from one failed command. How the tier uses
+``TROUBLE`` tells a lost server from one failed command. How the tier uses
 them (I/O, buffers, failures) is told in :mod:`tiercache.backends.redis`.
 """
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(f"{__package__}.redis")
 
 Client = redis.Redis | RedisCluster
 #: Errors that say the server (or the path to it) is gone, not that one command failed.
-_TROUBLE: tuple[type[BaseException], ...] = (
+TROUBLE: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     ClusterError,  # ClusterDownError, MasterDownError: no usable master for a slot
@@ -46,7 +46,7 @@ def parse_host_port(node: str) -> tuple[str, int]:
 
 
 # ------------------------------------------------------------------- serializing frames
-class _Framed:
+class Framed:
     """A frame as one command argument: our header, then the caller's payload (not joined)."""
 
     __slots__ = ("header", "payload")
@@ -63,7 +63,7 @@ class _Framed:
 
 
 class _FramePacker:
-    """redis-py's command serializer, taught one more argument type: :class:`_Framed`.
+    """redis-py's command serializer, taught one more argument type: :class:`Framed`.
 
     A command without a frame goes to redis-py's own serializer. One with a
     frame becomes RESP pieces: the bytes up to the frame's payload (the frame
@@ -75,12 +75,12 @@ class _FramePacker:
         self._fallback = fallback
 
     def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if not any(type(arg) is _Framed for arg in args):
+        if not any(type(arg) is Framed for arg in args):
             return self._fallback.pack(*args)
         pieces: list[bytes | memoryview] = []
         head = [b"*%d\r\n" % len(args)]
         for arg in args:
-            if type(arg) is _Framed:
+            if type(arg) is Framed:
                 head += (b"$%d\r\n" % len(arg), bytes(arg.header))
                 pieces += (b"".join(head), arg.payload)
                 head = [b"\r\n"]

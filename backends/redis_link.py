@@ -1,9 +1,9 @@
 """The Redis tier's threads: the link to Redis (its reconnect thread) and the job lanes.
 
-:class:`_Link` owns the client's life: it creates the client, probes, and
+:class:`Link` owns the client's life: it creates the client, probes, and
 replaces it after an outage, so callers only ever ask it for the live client
-(never waiting for I/O) and report trouble. :class:`_Lane` runs
-jobs (:class:`_Job`) on a few threads from prioritized queues. The threading and
+(never waiting for I/O) and report trouble. :class:`Lane` runs
+jobs (:class:`Job`) on a few threads from prioritized queues. The threading and
 failure contracts are told in :mod:`tiercache.backends.redis` (Threads,
 Failures), whose :class:`RedisBackend` drives them.
 """
@@ -39,7 +39,7 @@ class LinkState(enum.Enum):
     DOWN = "down"
 
 
-class _Link:
+class Link:
     """The current client, whether Redis is reachable, and the reconnect thread.
 
     ``client()`` never waits for I/O: it returns the client while the tier is
@@ -167,7 +167,7 @@ JobKind = Literal["put", "get", "delete", "contains"]
 
 
 @dataclass(slots=True)
-class _Job:
+class Job:
     kind: JobKind
     job_id: Any  # an int job id, or a lookup's token
     keys: list[bytes]  # the chunk keys that reach Redis
@@ -176,13 +176,13 @@ class _Job:
     refused: list[int] = field(default_factory=list)  # positions in ``submitted`` failed at intake
 
 
-class _Lane:
+class Lane:
     """Threads running jobs from prioritized queues: queue 0 first, FIFO within a queue."""
 
-    def __init__(self, name: str, threads: int, queues: int, run: Callable[[_Job], None]) -> None:
+    def __init__(self, name: str, threads: int, queues: int, run: Callable[[Job], None]) -> None:
         self._run = run
         self._cond = threading.Condition()
-        self._queues: list[deque[_Job]] = [deque() for _ in range(queues)]
+        self._queues: list[deque[Job]] = [deque() for _ in range(queues)]
         self._stopping = False
         self._threads = [
             threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
@@ -191,7 +191,7 @@ class _Lane:
         for thread in self._threads:
             thread.start()
 
-    def push(self, job: _Job, queue: int = 0) -> None:
+    def push(self, job: Job, queue: int = 0) -> None:
         with self._cond:
             self._queues[queue].append(job)
             self._cond.notify()
@@ -208,7 +208,7 @@ class _Lane:
         while (job := self._next()) is not None:
             self._run(job)
 
-    def _next(self) -> _Job | None:
+    def _next(self) -> Job | None:
         with self._cond:
             while True:
                 for queue in self._queues:
