@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from tiercache.layout import KVBlockLayout, block_runs, paired_runs
+from tiercache.layout import KVBlockLayout, block_runs, paired_runs, plane_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +145,7 @@ def copy_plane_segments(
     engine_ids: list[int] = []
     for seg in job.segments:
         check_segment(layout, num_slots, blocks_per_chunk, seg)
-        first = seg.slot * blocks_per_chunk + seg.first_block
-        host_ids.extend(range(first, first + len(seg.block_ids)))
+        host_ids.extend(plane_blocks(seg.slot, seg.first_block, len(seg.block_ids), blocks_per_chunk))
         engine_ids.extend(seg.block_ids)
     runs = paired_runs(host_ids, engine_ids)
     store = job.direction == "store"

@@ -29,7 +29,7 @@ NIXL descriptors, not one per chunk and region).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -155,22 +155,32 @@ def slab_planes(slab: torch.Tensor, page_bytes: Sequence[int], blocks_per_chunk:
     )
 
 
-def gather_slot(planes: Sequence[torch.Tensor], slot: int, blocks_per_chunk: int, out: np.ndarray) -> None:
-    """Copy chunk slot ``slot`` of a planes slab into ``out`` (1-D uint8) in the chunk's byte format."""
+def plane_blocks(slot: int, first: int, count: int, blocks_per_chunk: int) -> range:
+    """The host blocks of a planes slab holding positions ``first .. first + count - 1`` of chunk slot ``slot``."""
+    start = slot * blocks_per_chunk + first
+    return range(start, start + count)
+
+
+def _slot_pages(planes: Sequence[torch.Tensor], slot: int, blocks_per_chunk: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Each region's pages of chunk slot ``slot`` (a flat uint8 view) and their offset in the chunk's byte format."""
+    blocks = plane_blocks(slot, 0, blocks_per_chunk, blocks_per_chunk)
     start = 0
     for plane in planes:
-        pages = plane.numpy()[slot * blocks_per_chunk:(slot + 1) * blocks_per_chunk].reshape(-1)
-        out[start:start + pages.size] = pages
+        pages = plane.numpy()[blocks.start:blocks.stop].reshape(-1)
+        yield start, pages
         start += pages.size
+
+
+def gather_slot(planes: Sequence[torch.Tensor], slot: int, blocks_per_chunk: int, out: np.ndarray) -> None:
+    """Copy chunk slot ``slot`` of a planes slab into ``out`` (1-D uint8) in the chunk's byte format."""
+    for start, pages in _slot_pages(planes, slot, blocks_per_chunk):
+        out[start:start + pages.size] = pages
 
 
 def scatter_slot(planes: Sequence[torch.Tensor], slot: int, blocks_per_chunk: int, data: np.ndarray) -> None:
     """Copy a chunk in its byte format (1-D uint8 ``data``) into slot ``slot`` of a planes slab."""
-    start = 0
-    for plane in planes:
-        pages = plane.numpy()[slot * blocks_per_chunk:(slot + 1) * blocks_per_chunk].reshape(-1)
+    for start, pages in _slot_pages(planes, slot, blocks_per_chunk):
         pages[...] = data[start:start + pages.size]
-        start += pages.size
 
 
 def paired_runs(ours: Sequence[int], theirs: Sequence[int]) -> list[tuple[int, int]]:

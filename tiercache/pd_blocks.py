@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.layout import KVBlockLayout, block_runs, paired_runs, region_offsets
+from tiercache.layout import KVBlockLayout, block_runs, paired_runs, plane_blocks, region_offsets
 
 
 @dataclass(frozen=True)
@@ -161,10 +161,8 @@ def plane_descs(ours: BlockRegions, planes: BlockRegions, num_slots: int, slots:
     theirs: list[int] = []
     flat: list[int] = []
     for slot, first, blocks in zip(slots, firsts, our_blocks):
-        if first < 0 or first + len(blocks) > bpc:
-            raise ValueError(f"positions {first}..{first + len(blocks) - 1} overflow a {bpc}-block chunk")
-        base = slot * bpc + first
-        theirs.extend(range(base, base + len(blocks)))
+        _check_positions(first, len(blocks), bpc)
+        theirs.extend(plane_blocks(slot, first, len(blocks), bpc))
         flat.extend(blocks)
     return paired_descs(ours, planes, flat, theirs)
 
@@ -188,8 +186,7 @@ def slot_descs(ours: BlockRegions, slab_addr: int, slot_bytes: int, slots: Seque
     local: list[tuple[int, int, int]] = []
     remote: list[tuple[int, int, int]] = []
     for slot, first, blocks in zip(slots, firsts, our_blocks):
-        if first < 0 or first + len(blocks) > bpc:
-            raise ValueError(f"positions {first}..{first + len(blocks) - 1} overflow a {bpc}-block chunk")
+        _check_positions(first, len(blocks), bpc)
         base = slab_addr + slot * slot_bytes
         runs = block_runs(blocks)
         for r, page in enumerate(ours.pages):
@@ -204,3 +201,9 @@ def slot_descs(ours: BlockRegions, slab_addr: int, slot_bytes: int, slots: Seque
                         local.append((addr + (first_id + k) * stride, page, ours.device_id))
                         remote.append((src + k * page, page, 0))
     return np.asarray(local, dtype=np.int64).reshape(-1, 3), np.asarray(remote, dtype=np.int64).reshape(-1, 3)
+
+
+def _check_positions(first: int, count: int, blocks_per_chunk: int) -> None:
+    """ValueError unless positions ``first .. first + count - 1`` lie inside one chunk."""
+    if first < 0 or first + count > blocks_per_chunk:
+        raise ValueError(f"positions {first}..{first + count - 1} overflow a {blocks_per_chunk}-block chunk")

@@ -67,8 +67,7 @@ class TransferEngine:
                 f"host tier slot is {self.host.slot_bytes} bytes, the engine's chunk is "
                 f"{layout.slot_bytes(blocks_per_chunk)} bytes"
             )
-        self.slot_layout: SlotLayout = slot_layout
-        # planes: the slab as one plane of pages per region (tiercache.layout), else None
+        # layout planes: the slab as one plane of pages per region (tiercache.layout), else None
         self.planes: tuple[torch.Tensor, ...] | None = (
             slab_planes(self.host.slab, layout.page_bytes, blocks_per_chunk) if slot_layout == "planes" else None
         )
