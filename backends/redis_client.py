@@ -21,7 +21,7 @@ from redis.exceptions import ClusterError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 if TYPE_CHECKING:
-    from tiercache.backends.redis import RedisSettings
+    from tiercache.backends.redis_settings import RedisSettings
 
 # The tier's one logger, under the name it had before this module was split off redis.py.
 logger = logging.getLogger(f"{__package__}.redis")

@@ -26,7 +26,7 @@ from tiercache.backends.redis_client import Client, close_client
 from tiercache.counters import Counters
 
 if TYPE_CHECKING:
-    from tiercache.backends.redis import RedisSettings
+    from tiercache.backends.redis_settings import RedisSettings
 
 # The tier's one logger, under the name it had before this module was split off redis.py.
 logger = logging.getLogger(f"{__package__}.redis")
