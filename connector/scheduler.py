@@ -156,9 +156,11 @@ class TierCacheScheduler:
             # The engine's own cache serves these: keep our copies warm too, so they
             # outlive the engine's copy (it evicts under pressure first).
             self.manager.touch(keys[:local_chunks])
-        # vLLM must compute at least the last prompt token itself.
-        loadable = ((request.num_tokens - 1) // self.block_size) * self.block_size
-        hit_tokens = min(hits * self.chunk_tokens, loadable)
+        # vLLM must compute at least the last prompt token itself. When every chunk of the
+        # prompt hits (its length is a multiple of the chunk), the last chunk loads whole and
+        # vLLM computes that one token, as after NixlConnector's hand-off; its KV slot is
+        # written again by the forward pass. Otherwise the partial tail is computed.
+        hit_tokens = min(hits * self.chunk_tokens, request.num_tokens - 1)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         st = self._state(request)

@@ -34,7 +34,8 @@ class TierCacheMetrics:
         self.transfer_seconds = Histogram(
             "tiercache_transfer_seconds",
             "Seconds per transfer job, by path (peer_host_to_device / peer_device_to_device: a P/D "
-            "consumer's NIXL READs alone, data to tags checked, from a producer's host slots / KV blocks).",
+            "consumer's NIXL READs alone, descriptors to tags checked, from a producer's host slots / KV "
+            "blocks; peer_data_read: their data READs alone).",
             labels + ["path"],
             buckets=_SECONDS_BUCKETS,
             registry=self.registry,

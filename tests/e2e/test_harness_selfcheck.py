@@ -5,7 +5,9 @@ Every connector test compares greedy outputs, which proves something only if
 changes the continuation), (b) outputs are reproducible across a prefix-cache
 reset, and (c) the engine's own prefix cache reports hits, so num_cached_tokens
 is a usable signal. This test checks all three, plus the conversation rounds of
-the runner, with a single engine start (float32, no kv_transfer_config).
+the runner and its ``worker_call`` rounds (which bench/pd.py uses to READ raw
+NIXL inside a decode worker), with a single engine start (float32, no
+kv_transfer_config).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def selfcheck_spec(model_dir: pathlib.Path, prompts: list[list[int]]) -> dict[st
         "block_size": BLOCK,
         "max_model_len": 1024,
         "kv_transfer_config": None,
+        "env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # worker_call sends a function
         "rounds": [
             {"prompts": random_prompts(2, 40, vocab=VOCAB, seed=99), "max_tokens": 4,
              "warmup": True},
@@ -60,6 +63,7 @@ def selfcheck_spec(model_dir: pathlib.Path, prompts: list[list[int]]) -> dict[st
                               "turns": 3, "user_tokens_per_turn": user_turns,
                               "max_tokens": 8},
              "reset_prefix_cache_before": True},
+            {"worker_call": "tiercache.testing.engine_runner:worker_pid"},
         ],
     }
 
@@ -89,7 +93,7 @@ def check_conversation(conv: dict[str, Any]) -> None:
 def test_harness_selfcheck(tiny_model_dir: pathlib.Path) -> None:
     prompts = first_token_pairs()
     result = run_engine(selfcheck_spec(tiny_model_dir, prompts), timeout_s=360)
-    _warmup, base, after_reset, no_reset, conv = result["rounds"]
+    _warmup, base, after_reset, no_reset, conv, call = result["rounds"]
     print(f"\nengine start {result['engine_start_s']:.1f}s, total {result['total_s']:.1f}s")
     for name, rnd in (("base", base), ("after_reset", after_reset), ("no_reset", no_reset)):
         print(f"{name}: wall {rnd['wall_s']:.3f}s cached={cached(rnd)} metrics={rnd['metrics']}")
@@ -107,3 +111,6 @@ def test_harness_selfcheck(tiny_model_dir: pathlib.Path) -> None:
     assert all(c > 0 for c in cached(no_reset)), cached(no_reset)
     assert outputs(no_reset) == base_out
     check_conversation(conv)
+    # worker_call ran in the worker (one, TP=1), a process of its own, not the runner
+    assert call["kind"] == "worker_call" and len(call["results"]) == 1
+    assert isinstance(call["results"][0], int) and call["results"][0] != result["runner_pid"]

@@ -13,7 +13,8 @@ Engines (tiny random-weight Llama, float32), separate processes on loopback:
 * ``consumer`` (kv_consumer, async loads), running at the same time: round 0
   decodes all of A at once (several hand-offs in flight) with the producer's
   parameters: tokens equal the baseline's and its prompt tokens come from the
-  transfer (vLLM's own local-compute count stays below one block per prompt).
+  transfer (vLLM's own local-compute count is the partial tail of each prompt,
+  one token for A's prompt of whole chunks).
   Nobody reads B: after ``handoff_timeout_s`` the producer's next step expires
   those hand-offs and their chunks are released (held gauge back to 0; in mode
   direct the blocks go back to vLLM: its KV-cache usage returns to 0). Then the
@@ -44,12 +45,21 @@ from .conftest import free_port, tiercache_kv_config
 
 CHUNK = 32  # one engine block
 PROMPT_LEN = 400  # 12 full blocks + 16 tokens the decode engine computes itself
-A = random_prompts(4, PROMPT_LEN, seed=51)
+WHOLE_LEN = 384  # 12 full blocks: all 12 load, the decode engine computes the last token only
+A = random_prompts(3, PROMPT_LEN, seed=51) + random_prompts(1, WHOLE_LEN, seed=54)
 B = random_prompts(2, PROMPT_LEN, seed=52)
 TINY = random_prompts(1, 40, seed=53)
 HANDOFF_TIMEOUT_S = 12.0
 READ_TIMEOUT_S = 3.0
-CHUNKS_PER_PROMPT = (PROMPT_LEN - 1) // CHUNK  # what the decode engine can load
+
+
+def loaded_tokens(prompt: list[int]) -> int:
+    """What the decode engine loads of a prompt: its whole chunks, less the last token when nothing else is left."""
+    return min(len(prompt) // CHUNK * CHUNK, len(prompt) - 1)
+
+
+def loaded_chunks(prompts: list[list[int]]) -> int:
+    return sum(-(-loaded_tokens(p) // CHUNK) for p in prompts)
 
 
 # The two engines run at once: each on its own core (vLLM pins a CPU worker process, all its
@@ -172,10 +182,12 @@ def test_producer_returns_nixl_shaped_params(runs: dict[str, Any]) -> None:
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         for field in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"):
             assert field in params
-        assert len(params["tiercache"]["chunk_keys"]) == PROMPT_LEN // CHUNK
+    for req, prompt in zip(runs["producer_r0"]["requests"], A + B):
+        params = req["kv_transfer_params"]
+        assert len(params["tiercache"]["chunk_keys"]) == len(prompt) // CHUNK
         assert params["tiercache"]["mode"] == runs["mode"]
         # via_host: one host slot per chunk; direct: the chunk's blocks (one block per chunk here)
-        assert len(params["remote_block_ids"]) == PROMPT_LEN // CHUNK
+        assert len(params["remote_block_ids"]) == len(prompt) // CHUNK
 
 
 def test_consumer_decodes_token_exact_without_recomputing_the_prompt(runs: dict[str, Any]) -> None:
@@ -183,9 +195,9 @@ def test_consumer_decodes_token_exact_without_recomputing_the_prompt(runs: dict[
     assert tokens(consumer, 0) == tokens(baseline, 0)
     r0 = consumer["rounds"][0]
     tier = "peer"  # both modes: READ straight into the blocks
-    assert sample(r0, "tiercache_hit_tokens_total", f'tier="{tier}"') == len(A) * CHUNKS_PER_PROMPT * CHUNK
+    assert sample(r0, "tiercache_hit_tokens_total", f'tier="{tier}"') == sum(loaded_tokens(p) for p in A)
     local = vllm_counter(r0, "prompt_tokens_by_source", "local_compute")
-    assert 0 < local <= len(A) * (PROMPT_LEN - CHUNKS_PER_PROMPT * CHUNK)
+    assert local == sum(len(p) - loaded_tokens(p) for p in A)  # 3 x 16 tails + 1 last token
 
 
 def test_read_handoffs_are_released_and_unread_ones_expire(runs: dict[str, Any]) -> None:
@@ -211,7 +223,7 @@ def test_dead_producer_means_recompute_with_identical_output(runs: dict[str, Any
     # the consumer planned B's loads from the dead producer; every one failed and was recomputed
     failed = sample(r1, "tiercache_failed_chunks_total", 'op="load"') - \
         sample(r0, "tiercache_failed_chunks_total", 'op="load"')
-    assert failed == len(B) * CHUNKS_PER_PROMPT
+    assert failed == loaded_chunks(B)
     assert consumer["rounds"][1]["wall_s"] < READ_TIMEOUT_S * 4 + 20
 
 
@@ -273,9 +285,9 @@ def test_tp2_consumer_decodes_token_exact_from_both_ranks_and_the_producer_lets_
     consumer, r1 = tp2_runs["consumer"], tp2_runs["producer_r1"]
     assert tokens(consumer, 0) == tokens(baseline, 0)
     r0 = consumer["rounds"][0]
-    assert sample(r0, "tiercache_hit_tokens_total", 'tier="peer"') == len(A) * CHUNKS_PER_PROMPT * CHUNK
+    assert sample(r0, "tiercache_hit_tokens_total", 'tier="peer"') == sum(loaded_tokens(p) for p in A)
     local = vllm_counter(r0, "prompt_tokens_by_source", "local_compute")
-    assert 0 < local <= len(A) * (PROMPT_LEN - CHUNKS_PER_PROMPT * CHUNK)
+    assert local == sum(len(p) - loaded_tokens(p) for p in A)
     # both ranks' notices arrived: every hand-off read, nothing held, every block vLLM's again
     assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="read"') == len(A)
     assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="expired"') == 0

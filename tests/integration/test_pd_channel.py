@@ -28,13 +28,20 @@ import torch
 
 pytest.importorskip("nixl._api")
 
+from tiercache.backends.nixl_peer import (  # noqa: E402
+    PEER_DATA_READ,
+    PEER_HOST_TO_DEVICE,
+    NixlPeerTier,
+    PeerChunk,
+    PeerSource,
+)
+
+from tests.e2e.conftest import free_port  # noqa: E402
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.backends.nixl_peer import PEER_HOST_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
 from tiercache.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout, slab_planes  # noqa: E402
 from tiercache.pd_blocks import BlockRegions  # noqa: E402
 from tiercache.pd_channel import ProducerEndpoint  # noqa: E402
-from tests.e2e.conftest import free_port  # noqa: E402
 
 BLOCKS = 16  # the consumer's KV cache: 2 layers of (K/V, blocks, 32 tokens, 2 heads, 16) float32
 BPC = 2  # blocks per chunk
@@ -147,7 +154,8 @@ def test_consumer_reads_producer_slots_byte_exact_and_producer_is_notified(pair)
     assert res.ok and res.bytes == 2 * SLOT
     assert cons.holds(prod[2], (0, 1)) and cons.holds(prod[5], (7, 3))
     assert cons.untouched((2, 4, 5, 6))
-    assert [(p, n) for p, n, _ in peer.take_transfers()] == [(PEER_HOST_TO_DEVICE, 2 * SLOT)]
+    assert [(p, n) for p, n, _ in peer.take_transfers()] == [(PEER_HOST_TO_DEVICE, 2 * SLOT),
+                                                               (PEER_DATA_READ, 2 * SLOT)]
     # a partial chunk: its first block was computed here, the second comes from the slot
     prod[6] = torch.from_numpy(rng.integers(0, 256, SLOT, dtype=np.uint8))
     server.slot_filled([b"z" * 16], [6])

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("nixl._api")
 
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.backends.nixl_peer import PEER_DEVICE_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
+from tiercache.backends.nixl_peer import PEER_DATA_READ, PEER_DEVICE_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
 from tiercache.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout  # noqa: E402
 from tiercache.pd_blocks import BlockRegions  # noqa: E402
@@ -84,9 +84,11 @@ def test_blocks_arrive_byte_exact_in_other_block_ids_and_the_producer_hears(dire
     assert res.bytes == 3 * page
     assert same_block(prod, 3, cons, 0) and same_block(prod, 4, cons, 1) and same_block(prod, 5, cons, 12)
     assert not same_block(prod, 9, cons, 11)  # untouched
-    # the transfer metric: the READ of what arrived, once (the worker hands it to the metrics)
-    [(path, moved, secs)] = peer.take_transfers()
+    # the transfer metrics: the READ of what arrived, once (the worker hands it to the metrics), and
+    # its data READ alone (the same bytes, read once, in part of that time)
+    [(path, moved, secs), (data_path, data_bytes, data_secs)] = peer.take_transfers()
     assert path == PEER_DEVICE_TO_DEVICE and moved == 3 * page and secs > 0
+    assert data_path == PEER_DATA_READ and data_bytes == moved and 0 < data_secs <= secs
     assert peer.take_transfers() == []
     deadline = time.monotonic() + 10
     while "req-1" not in stepper.read and time.monotonic() < deadline:

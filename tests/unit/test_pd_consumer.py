@@ -3,9 +3,10 @@
 vLLM's request, block and scheduler-output objects are stood in for by plain
 namespaces carrying the fields the connector reads (the real engine path is
 tests/e2e/test_pd.py). Checks: a direct hand-off loads from tier ``peer`` (a direct tier)
-with no host slot, the worker is told where each key lives, and
+with no host slot, the worker is told where each key lives,
 ``pd.keep_received`` decides whether those chunks are offered to the host tier
-afterwards.
+afterwards, and a prompt that is all whole chunks loads all of them (vLLM then
+computes only its last token).
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ def consumer(keep_received: bool) -> TierCacheScheduler:
     return sched
 
 
-def direct_request(sched: TierCacheScheduler, mode: str = "direct") -> Any:
+def direct_request(sched: TierCacheScheduler, mode: str = "direct", prompt: int = PROMPT) -> Any:
     """A request with a producer's hand-off: its blocks (mode direct) or host slots (via_host) 7..10."""
     hashes = [bytes([i]) * 32 for i in range(4)]
     keys = tuple(sched.keys.chunk_keys(hashes))
     assert sched.pd is not None
     params = Handoff("prod", "127.0.0.1", 5700, "p-1", keys, (7, 8, 9, 10), sched.pd.fingerprint,
                      mode=mode).to_params()
-    return SimpleNamespace(request_id="c-1", block_hashes=hashes, num_tokens=PROMPT, num_prompt_tokens=PROMPT,
+    return SimpleNamespace(request_id="c-1", block_hashes=hashes, num_tokens=prompt, num_prompt_tokens=prompt,
                            num_computed_tokens=0, kv_transfer_params=params)
 
 
@@ -97,3 +98,24 @@ def test_a_via_host_hand_off_is_read_into_the_blocks_too() -> None:
     assert [(meta.peer_sources[k].slot, meta.peer_sources[k].blocks) for k in load.keys] == [
         (7, ()), (8, ()), (9, ()), (10, ())]
     assert meta.stores == []
+
+
+def test_a_prompt_of_whole_chunks_loads_them_all_and_leaves_one_token_to_compute() -> None:
+    """As after NixlConnector's hand-off: 4 chunks of a 128-token prompt hit, vLLM is told 127 tokens.
+
+    The last chunk's block loads whole; the forward pass of the last token writes its KV slot again.
+    Before, the hit stopped at the last whole block below the last token (96 tokens: 32 recomputed).
+    """
+    sched = consumer(keep_received=False)
+    req = direct_request(sched, prompt=4 * BLOCK)
+    hit, _async = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    assert hit == 4 * BLOCK - 1
+    blocks = SimpleNamespace(get_block_ids=lambda: ([20, 21, 22, 23],))
+    sched.update_state_after_alloc(req, blocks, hit)  # type: ignore[arg-type]
+    meta = sched.build_connector_meta(SimpleNamespace(  # type: ignore[arg-type]
+        num_scheduled_tokens={"c-1": 1}, finished_req_ids=set(), preempted_req_ids=None))
+    (load,) = meta.loads
+    assert [seg.block_ids for seg in load.segments] == [(20,), (21,), (22,), (23,)]
+    # vLLM's own local hit of the first three blocks: only the last chunk is loaded
+    hit, _async = sched.get_num_new_matched_tokens(direct_request(sched, prompt=4 * BLOCK), 3 * BLOCK)  # type: ignore[arg-type]
+    assert hit == BLOCK - 1

@@ -45,6 +45,10 @@ Spec (JSON object; only ``model_dir`` and ``rounds`` are required)::
                            "reset_prefix_cache_between_turns": bool = false},
           "reset_prefix_cache_before": ..., "reset_connector": ..., "warmup": ...}
       (turn i > 0 sends prompt(i-1) + output(i-1) + user_tokens_per_turn[i-1]).
+      or {"worker_call": "package.module:function", "kwargs": {...}}
+      (runs ``function(worker, **kwargs)`` in every vLLM worker through LLM.collective_rpc
+      and records what each returned; the engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1
+      in ``env``. Benchmarks use it to measure inside the engine, e.g. raw_nixl.read_in_worker).
     barrier_dir              str    directory for round barriers (set by EngineRun); on reaching
                                     one, the rounds so far are written to NAME.partial.json
     barrier_timeout_s        float  default 300: longest wait at one barrier
@@ -57,9 +61,9 @@ With :class:`EngineRun` the test calls ``wait_for(NAME)``, does its work, then
 
 Result (JSON object)::
 
-    vllm_version, engine_start_s, total_s,
-    rounds: [{index, kind ("prompts" | "conversation"), warmup, reset_prefix_cache_before,
-              wall_s, turn_wall_s (conversation only),
+    vllm_version, runner_pid, engine_start_s, total_s,
+    rounds: [{index, kind ("prompts" | "conversation" | "worker_call"), warmup, reset_prefix_cache_before,
+              wall_s, turn_wall_s (conversation only), results (worker_call only: one per worker),
               requests: [{prompt_len, output_token_ids, num_cached_tokens,
                           ttft_s, queued_s, prefill_s,   # null when vLLM gives no metrics
                           prompt_token_ids (conversation only)}],
@@ -361,6 +365,23 @@ def _run_conversation(llm: Any, conv: dict[str, Any]) -> dict[str, Any]:
             "requests": records}
 
 
+def _run_worker_call(llm: Any, rnd: dict[str, Any]) -> dict[str, Any]:
+    import importlib
+
+    module_name, _, function_name = str(rnd["worker_call"]).partition(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    start = time.perf_counter()
+    results = llm.collective_rpc(function, kwargs=dict(rnd.get("kwargs") or {}))
+    return {"kind": "worker_call", "wall_s": time.perf_counter() - start, "requests": [],
+            "results": list(results)}
+
+
+def worker_pid(worker: Any) -> int:
+    """A ``worker_call`` for self-checks: the pid of the process the worker runs in."""
+    del worker
+    return os.getpid()
+
+
 def _metric_value(metric: Any) -> Any:
     if hasattr(metric, "values"):
         return list(metric.values)
@@ -432,6 +453,8 @@ def _run_round(llm: Any, index: int, rnd: dict[str, Any], metrics_url: str | Non
             raise RuntimeError(f"round {index}: reset_prefix_cache() returned False")
     if "conversation" in rnd:
         result = _run_conversation(llm, rnd["conversation"])
+    elif "worker_call" in rnd:
+        result = _run_worker_call(llm, rnd)
     else:
         result = _run_prompts(llm, rnd)
     result.update(index=index, warmup=bool(rnd.get("warmup", False)),
@@ -460,7 +483,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if rnd.get("barrier"):
             wait_at_barrier(spec, str(rnd["barrier"]), rounds)
         rounds.append(_run_round(llm, i, rnd, url))
-    return {"vllm_version": vllm.__version__, "engine_start_s": engine_start,
+    return {"vllm_version": vllm.__version__, "runner_pid": os.getpid(), "engine_start_s": engine_start,
             "total_s": time.perf_counter() - t0, "rounds": rounds}
 
 
