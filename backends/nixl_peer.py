@@ -17,7 +17,8 @@ A read, per producer: handshake once (:class:`tiercache.pd_channel.PeerLink`;
 a producer with a different model, dtype, layout or chunk size is refused,
 naming the difference), then NIXL only: one READ of the data, one READ of the
 tags guarding it (a slot's or a block's tag names the chunk while the producer
-holds it for us). A tag that names the chunk: arrived. A tag of 0: the
+holds it for us; the producer's whole tag array, when small, by a handle made
+once: ``nixl_read.TagMirror``). A tag that names the chunk: arrived. A tag of 0: the
 producer's copy into that slot still runs (via_host) or its worker has not
 heard of the hold yet (direct): read the chunk again a moment later. Another
 chunk's tag: the slot or blocks were reused, the chunk is dropped
@@ -26,8 +27,8 @@ the producer's request, so it releases the chunks. Anything that goes wrong
 (dead producer, refusal, timeout, a transfer error) fails the keys: the
 engine recomputes.
 
-Buffers: the consumer's KV blocks and a small tag buffer are registered with
-this object's NIXL agent once; blocks named by ``submit_blocks`` are the
+Buffers: the consumer's KV blocks, a small tag buffer and one tag mirror per
+producer tag array are registered with this object's NIXL agent once; blocks named by ``submit_blocks`` are the
 load's own, written only by the READ of their own job.
 
 Threads: submit/poll/expect/close from the worker thread. A read runs on the
@@ -53,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from tiercache.backend import JobResult
-from tiercache.backends.nixl_read import read_to_completion, thread_schedstat
+from tiercache.backends.nixl_read import TagMirror, read_to_completion, thread_schedstat
 from tiercache.device import CopySegment
 from tiercache.layout import block_runs
 from tiercache.pd_blocks import BlockRegions, paired_descs, plane_descs, slot_descs
@@ -111,6 +112,7 @@ class _Plan:
     descs: Callable[[list[int]], tuple[np.ndarray, np.ndarray]]  # chunk indices -> (local, remote)
     remote_mem: str
     tags_addr: int
+    tag_count: int  # tags in the producer's array (slots or blocks)
     tag_index: list[list[int]]  # per chunk: the producer tags guarding it (slot or blocks)
     path: str  # transfer-metric path
 
@@ -138,6 +140,7 @@ class NixlPeerTier:
         self._chunks: dict[bytes, PeerChunk] = {}
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._refused: dict[tuple[str, int], str] = {}
+        self._mirrors: dict[tuple[str, int], TagMirror] = {}  # (producer agent, tags addr) -> its tags
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._done: list[JobResult] = []
         self._transfers: list[tuple[str, int, float]] = []  # (path, bytes, seconds) per READ
@@ -205,6 +208,8 @@ class NixlPeerTier:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=self.read_timeout_s + 5)
+        for mirror in self._mirrors.values():
+            mirror.close()
         for link in self._links.values():
             link.close()
         for reg in self._regs:
@@ -346,7 +351,7 @@ class NixlPeerTier:
             except ValueError as exc:
                 raise ChannelError(f"producer {link.address}: {exc}") from exc
 
-        return _Plan(descs, "DRAM", link.tags_addr, [[s] for s in slots], PEER_HOST_TO_DEVICE)
+        return _Plan(descs, "DRAM", link.tags_addr, link.num_slots, [[s] for s in slots], PEER_HOST_TO_DEVICE)
 
     def _block_plan(self, link: PeerLink, src: PeerSource, segments: list[CopySegment],
                     chunks: list[PeerChunk]) -> _Plan:
@@ -375,7 +380,8 @@ class NixlPeerTier:
             return paired_descs(ours, theirs, [b for i in idx for b in segments[i].block_ids],
                                 [b for i in idx for b in sources[i]])
 
-        return _Plan(descs, theirs.mem_type, link.block_tags_addr, sources, PEER_DEVICE_TO_DEVICE)
+        return _Plan(descs, theirs.mem_type, link.block_tags_addr, theirs.num_blocks, sources,
+                     PEER_DEVICE_TO_DEVICE)
 
     def _read_until_tagged(self, link: PeerLink, plan: _Plan, expected: list[int], deadline: float,
                            wait: bool) -> tuple[list[int], int, float]:
@@ -399,7 +405,8 @@ class NixlPeerTier:
             t1 = time.perf_counter()
             self._read_descs(link, local, ours_mem, remote, plan.remote_mem, deadline)
             t2 = time.perf_counter()
-            tags = iter(self._read_tags(link, plan.tags_addr, [t for i in pending for t in plan.tag_index[i]],
+            tags = iter(self._read_tags(link, plan.tags_addr, plan.tag_count,
+                                        [t for i in pending for t in plan.tag_index[i]],
                                         deadline))
             t3 = time.perf_counter()
             self.counters["data_descs"] += len(local)
@@ -431,7 +438,14 @@ class NixlPeerTier:
         return sorted(arrived), data_bytes, data_secs
 
     # ------------------------------------------------------------------ common
-    def _read_tags(self, link: PeerLink, tags_addr: int, indices: list[int], deadline: float) -> list[int]:
+    def _read_tags(self, link: PeerLink, tags_addr: int, count: int, indices: list[int],
+                   deadline: float) -> list[int]:
+        if 0 < count * TAG_BYTES <= TagMirror.MAX_BYTES:  # the whole array, one handle made once per link
+            key = (link.agent_name, tags_addr)
+            if key not in self._mirrors:
+                self._mirrors[key] = TagMirror(self.agent, link.agent_name, link.address, tags_addr, count)
+            tags = self._mirrors[key].read(deadline, self._poll_burst())
+            return [int(tags[i]) for i in indices]
         base = int(self._tags.ctypes.data)
         # one descriptor per run of consecutive tags: a hand-off's slots or blocks mostly are one run,
         # and each descriptor is one process_vm_readv on one host (63 single tags took 0.15 ms)
@@ -457,12 +471,14 @@ class NixlPeerTier:
     def _read_descs(self, link: PeerLink, local: Any, local_mem: str, remote: Any, remote_mem: str,
                     deadline: float) -> None:
         """One NIXL READ of ``remote`` into ``local``, to completion (ChannelError if it fails or passes ``deadline``)."""
+        read_to_completion(self.agent, link.agent_name, link.address, local, local_mem, remote, remote_mem,
+                           deadline, self._poll_burst())
+
+    def _poll_burst(self) -> float:
         # The I/O thread polls in bursts and yields the GIL between them (a thread that yields
         # after every call gets it back only every switch interval, 5 ms, beside vLLM's spinning
         # worker). An inline read is the worker thread's own work: it never yields mid-READ.
-        burst = _POLL_BURST_S if threading.current_thread() is self._thread else float("inf")
-        read_to_completion(self.agent, link.agent_name, link.address, local, local_mem, remote, remote_mem,
-                           deadline, burst)
+        return _POLL_BURST_S if threading.current_thread() is self._thread else float("inf")
 
     def _failed(self, src: PeerSource, n: int, start: float, exc: Exception) -> None:
         logger.warning("tiercache P/D: %d chunks from %s:%d not read after %.2fs: %s: %s", n, src.host, src.port,
@@ -473,6 +489,8 @@ class NixlPeerTier:
         addr = (src.host, src.port + self.rank)
         link = self._links.pop(addr, None)
         if link is not None:
+            for key in [k for k in self._mirrors if k[0] == link.agent_name]:
+                self._mirrors.pop(key).close()
             link.close()
             try:
                 self.agent.remove_remote_agent(link.agent_name)

@@ -35,6 +35,7 @@ from tiercache.backends.nixl_peer import (  # noqa: E402
     PeerChunk,
     PeerSource,
 )
+from tiercache.backends.nixl_read import TagMirror  # noqa: E402
 
 from tests.e2e.conftest import free_port  # noqa: E402
 from tiercache.backend import JobResult  # noqa: E402
@@ -228,7 +229,18 @@ def heard_reads(server: ProducerEndpoint, stepper: Stepper, want: set[str], time
     return heard
 
 
-def test_read_waits_for_a_copy_still_in_progress(pair) -> None:
+TAG_READS = pytest.mark.parametrize("mirror", [True, False], ids=["tag-mirror", "tag-runs"])
+
+
+def tag_reads(monkeypatch: pytest.MonkeyPatch, mirror: bool) -> None:
+    """Tags READ as the producer's whole array by one reusable handle (small arrays), or run by run."""
+    if not mirror:
+        monkeypatch.setattr(TagMirror, "MAX_BYTES", 0)
+
+
+@TAG_READS
+def test_read_waits_for_a_copy_still_in_progress(pair, monkeypatch: pytest.MonkeyPatch, mirror: bool) -> None:
+    tag_reads(monkeypatch, mirror)
     prod, cons, server, peer, port, _ = pair
     key = b"w" * 16
     server.slot_filling([1])
@@ -239,9 +251,12 @@ def test_read_waits_for_a_copy_still_in_progress(pair) -> None:
     server.slot_filled([key], [1])
     res = wait_result(peer)
     assert res.ok and cons.holds(prod[1], (4, 5)) and int(prod[1].sum()) == 7 * SLOT
+    assert bool(peer._mirrors) == mirror
 
 
-def test_reused_slot_is_not_served_for_the_old_key(pair) -> None:
+@TAG_READS
+def test_reused_slot_is_not_served_for_the_old_key(pair, monkeypatch: pytest.MonkeyPatch, mirror: bool) -> None:
+    tag_reads(monkeypatch, mirror)
     _prod, cons, server, peer, port, _ = pair
     server.slot_filled([b"a" * 16], [4])
     server.slot_filling([4])  # a new copy into slot 4 begins: the old key is gone

@@ -19,13 +19,21 @@ import torch
 
 pytest.importorskip("nixl._api")
 
+from tiercache.backends.nixl_peer import (  # noqa: E402
+    PEER_DATA_READ,
+    PEER_DEVICE_TO_DEVICE,
+    NixlPeerTier,
+    PeerChunk,
+    PeerSource,
+)
+from tiercache.backends.nixl_read import TagMirror  # noqa: E402
+
+from tests.integration.test_pd_channel import FP, Stepper, wait_result  # noqa: E402
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.backends.nixl_peer import PEER_DATA_READ, PEER_DEVICE_TO_DEVICE, NixlPeerTier, PeerChunk, PeerSource  # noqa: E402
 from tiercache.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout  # noqa: E402
 from tiercache.pd_blocks import BlockRegions  # noqa: E402
 from tiercache.pd_channel import ProducerEndpoint  # noqa: E402
-from tests.integration.test_pd_channel import FP, Stepper, wait_result  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
 
 BLOCKS = 16
@@ -98,7 +106,10 @@ def test_blocks_arrive_byte_exact_in_other_block_ids_and_the_producer_hears(dire
     assert int(server.block_tags[[3, 4, 9, 5]].sum()) == 0
 
 
-def test_read_waits_for_the_hold_to_be_marked(direct) -> None:
+@pytest.mark.parametrize("mirror", [True, False], ids=["tag-mirror", "tag-runs"])
+def test_read_waits_for_the_hold_to_be_marked(direct, monkeypatch: pytest.MonkeyPatch, mirror: bool) -> None:
+    if not mirror:  # tags READ run by run, not as the producer's whole array
+        monkeypatch.setattr(TagMirror, "MAX_BYTES", 0)
     """The consumer may read before the producer's worker marked the hold.
 
     The link exists already (a first read), so the read is tried inline first; it meets
@@ -124,7 +135,10 @@ def test_read_waits_for_the_hold_to_be_marked(direct) -> None:
     assert wait_blocks(peer).ok and same_block(prod, 12, cons, 14) and same_block(prod, 13, cons, 15)
 
 
-def test_released_and_reused_blocks_are_not_served(direct) -> None:
+@pytest.mark.parametrize("mirror", [True, False], ids=["tag-mirror", "tag-runs"])
+def test_released_and_reused_blocks_are_not_served(direct, monkeypatch: pytest.MonkeyPatch, mirror: bool) -> None:
+    if not mirror:  # tags READ run by run, not as the producer's whole array
+        monkeypatch.setattr(TagMirror, "MAX_BYTES", 0)
     _prod, _cons, server, peer, port, _ = direct
     server.hold_blocks("old", [b"o" * 16], [(1, 2)])
     server.release_blocks("old")
