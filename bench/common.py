@@ -20,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tiercache.testing.raw_nixl import post_transfer
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -100,11 +102,7 @@ def repeat_nixl_transfer(agent: Any, handle: Any | Sequence[Any], nbytes: int, s
     while True:
         handle = handles[turn % len(handles)]
         turn += 1
-        state = agent.transfer(handle)
-        while state not in ("DONE", "ERR"):
-            state = agent.check_xfer_state(handle)
-        if state == "ERR":
-            raise RuntimeError("raw NIXL transfer failed")
+        post_transfer(agent, handle)
         moved += nbytes
         if time.perf_counter() - started >= seconds:
             return moved / (time.perf_counter() - started) / 1e9

@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine_info, print_table, repeat_nixl_transfer, write_result  # noqa: E402
 from tiercache.testing.engine_runner import EngineRun, random_prompts  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
-from tiercache.testing.raw_nixl import raw_agent, serve_target  # noqa: E402
+from tiercache.testing.raw_nixl import post_transfer, raw_agent, serve_target, slot_reads  # noqa: E402
 from tiercache.testing.random_llama import make_model_dir  # noqa: E402
 
 KINDS = ("tiercache", "tiercache-direct", "nixl")
@@ -318,14 +318,9 @@ def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float, error_handling:
         local = np.ones(handoff_bytes * handoffs, dtype=np.uint8)  # touched: no first-touch faults in the READs
         agent.register_memory([(int(local.ctypes.data), local.nbytes, 0, "")], "DRAM")
         peer = agent.add_remote_agent(metadata)
-        handles = []
-        for h in range(handoffs):
-            offsets = [h * handoff_bytes + i * chunk_bytes for i in range(chunks)]
-            mine = agent.get_xfer_descs([(int(local.ctypes.data) + o, chunk_bytes, 0) for o in offsets], "DRAM")
-            theirs = agent.get_xfer_descs([(remote_addr + o, chunk_bytes, 0) for o in offsets], "DRAM")
-            handles.append(agent.initialize_xfer("READ", mine, theirs, peer))
+        handles = slot_reads(agent, peer, int(local.ctypes.data), remote_addr, chunk_bytes, chunks, handoffs)
         for handle in handles:  # one pass first: connections, page tables
-            repeat_nixl_transfer(agent, handle, handoff_bytes, 0.0)
+            post_transfer(agent, handle)
         gbps = repeat_nixl_transfer(agent, handles, handoff_bytes, seconds)
         for handle in handles:
             agent.release_xfer_handle(handle)

@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 
 def _tier_hits(url: str) -> dict[str, float]:
-    from tiercache.testing.engine_runner import scrape_tiercache_metrics
+    from tiercache.testing.engine_metrics import scrape_tiercache_metrics
 
     hits: dict[str, float] = {}
     for name, value in scrape_tiercache_metrics(url).items():

@@ -4,7 +4,8 @@
   weights (vLLM's dummy weights hide wrong KV; these do not);
 * ``engine_runner``: runs a real vLLM engine over a JSON spec in a subprocess
   with a timeout, for end-to-end tests, benchmarks and the demo (its
-  ``worker_call`` rounds run a function inside the engine's workers);
+  ``worker_call`` rounds run a function inside the engine's workers;
+  ``engine_metrics`` takes its metric snapshots);
 * ``raw_nixl``: raw NIXL UCX READs between plain memory, the P/D ceiling, also
   measured from inside a decode engine's worker (bench/pd.py).
 

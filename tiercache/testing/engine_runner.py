@@ -88,16 +88,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tiercache.testing.engine_metrics import cache_metrics, scrape_tiercache_metrics
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_ENV: dict[str, str] = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0",
 }
-METRIC_NAME_PARTS = (
-    "kv_connector", "prefix_cache", "external", "prompt_tokens_cached", "num_preemptions",
-    "prompt_tokens_by_source", "nixl", "kv_cache_usage",
-)
-IGNORED_METRIC_LABELS = ("model_name", "engine")
 LOG_TAIL_CHARS = 4000
 
 
@@ -382,53 +379,6 @@ def worker_pid(worker: Any) -> int:
     return os.getpid()
 
 
-def _metric_value(metric: Any) -> Any:
-    if hasattr(metric, "values"):
-        return list(metric.values)
-    if hasattr(metric, "buckets"):
-        return {"count": metric.count, "sum": metric.sum}
-    return getattr(metric, "value", None)
-
-
-def _metric_key(metric: Any) -> str:
-    labels = {k: v for k, v in (getattr(metric, "labels", None) or {}).items()
-              if k not in IGNORED_METRIC_LABELS}
-    if not labels:
-        return metric.name
-    return metric.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
-
-
-def _cache_metrics(llm: Any) -> dict[str, Any]:
-    """Best-effort snapshot of the connector / prefix-cache metrics."""
-    try:
-        return {
-            _metric_key(m): _metric_value(m)
-            for m in llm.get_metrics()
-            if any(part in m.name for part in METRIC_NAME_PARTS)
-        }
-    except Exception as exc:  # noqa: BLE001 - metrics are optional diagnostics
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def scrape_tiercache_metrics(url: str | None) -> dict[str, float]:
-    """tiercache_* samples from a Prometheus /metrics URL (the connector's own port)."""
-    if not url:
-        return {}
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError as exc:
-        return {"error": str(exc)}  # type: ignore[dict-item]
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("tiercache_") and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def wait_at_barrier(spec: dict[str, Any], name: str, rounds_so_far: list[dict[str, Any]]) -> None:
     """Write the rounds so far, signal ``name``.reached, wait for ``name``.go in barrier_dir."""
     directory = spec.get("barrier_dir")
@@ -458,7 +408,7 @@ def _run_round(llm: Any, index: int, rnd: dict[str, Any], metrics_url: str | Non
     else:
         result = _run_prompts(llm, rnd)
     result.update(index=index, warmup=bool(rnd.get("warmup", False)),
-                  reset_prefix_cache_before=reset, metrics=_cache_metrics(llm),
+                  reset_prefix_cache_before=reset, metrics=cache_metrics(llm),
                   tiercache_metrics=scrape_tiercache_metrics(metrics_url))
     return result
 

@@ -90,33 +90,43 @@ def _reader(info_file: str, error_handling: str) -> _Reader:
     return _READERS[key]
 
 
-def _handles(reader: _Reader, chunk_bytes: int, chunks: int) -> list[Any]:
-    """One prepared READ per hand-off-sized slot of the target; all made (and posted once, untimed) at first use."""
-    key = (chunk_bytes, chunks)
-    if key not in reader.handles:
-        size = chunk_bytes * chunks
-        slots = reader.nbytes // size
-        if slots < 1:
-            raise ValueError(f"target holds {reader.nbytes} bytes, less than one READ of {chunks} x {chunk_bytes}")
-        agent, handles = reader.agent, []
-        for slot in range(slots):
-            offsets = [slot * size + i * chunk_bytes for i in range(chunks)]
-            mine = agent.get_xfer_descs([(int(reader.local.ctypes.data) + o, chunk_bytes, 0) for o in offsets],
-                                        "DRAM")
-            theirs = agent.get_xfer_descs([(reader.remote_addr + o, chunk_bytes, 0) for o in offsets], "DRAM")
-            handles.append(agent.initialize_xfer("READ", mine, theirs, reader.peer))
-        for handle in handles:  # one untimed pass: connection set-up, page tables
-            _post(agent, handle)
-        reader.handles[key] = handles
-    return reader.handles[key]
+def slot_reads(agent: Any, peer: str, local_addr: int, remote_addr: int, chunk_bytes: int, chunks: int,
+               slots: int) -> list[Any]:
+    """One prepared READ per hand-off-sized slot: slot ``s`` is ``chunks`` descriptors of ``chunk_bytes``.
+
+    Slot ``s`` starts ``s * chunks * chunk_bytes`` into both buffers (registered with ``agent``).
+    """
+    size, handles = chunk_bytes * chunks, []
+    for slot in range(slots):
+        offsets = [slot * size + i * chunk_bytes for i in range(chunks)]
+        mine = agent.get_xfer_descs([(local_addr + o, chunk_bytes, 0) for o in offsets], "DRAM")
+        theirs = agent.get_xfer_descs([(remote_addr + o, chunk_bytes, 0) for o in offsets], "DRAM")
+        handles.append(agent.initialize_xfer("READ", mine, theirs, peer))
+    return handles
 
 
-def _post(agent: Any, handle: Any) -> None:
+def post_transfer(agent: Any, handle: Any) -> None:
+    """Post a prepared transfer (READ or WRITE) and spin until it is done (RuntimeError if it fails)."""
     state = agent.transfer(handle)
     while state not in ("DONE", "ERR"):
         state = agent.check_xfer_state(handle)
     if state == "ERR":
-        raise RuntimeError("raw NIXL READ failed")
+        raise RuntimeError("raw NIXL transfer failed")
+
+
+def _handles(reader: _Reader, chunk_bytes: int, chunks: int) -> list[Any]:
+    """One prepared READ per hand-off-sized slot of the target; all made (and posted once, untimed) at first use."""
+    key = (chunk_bytes, chunks)
+    if key not in reader.handles:
+        slots = reader.nbytes // (chunk_bytes * chunks)
+        if slots < 1:
+            raise ValueError(f"target holds {reader.nbytes} bytes, less than one READ of {chunks} x {chunk_bytes}")
+        handles = slot_reads(reader.agent, reader.peer, int(reader.local.ctypes.data), reader.remote_addr,
+                             chunk_bytes, chunks, slots)
+        for handle in handles:  # one untimed pass: connection set-up, page tables
+            post_transfer(reader.agent, handle)
+        reader.handles[key] = handles
+    return reader.handles[key]
 
 
 def read_in_worker(worker: Any, info_file: str, error_handling: str, chunk_bytes: int, chunks: int,
@@ -135,6 +145,6 @@ def read_in_worker(worker: Any, info_file: str, error_handling: str, chunk_bytes
         turn = reader.turns.get((chunk_bytes, chunks), 0)
         reader.turns[(chunk_bytes, chunks)] = turn + 1
         started = time.perf_counter()
-        _post(reader.agent, handles[turn % len(handles)])
+        post_transfer(reader.agent, handles[turn % len(handles)])
         times.append(time.perf_counter() - started)
     return times
