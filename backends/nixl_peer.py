@@ -47,27 +47,32 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tiercache.backend import JobResult
+from tiercache.backends.nixl_plans import (
+    PEER_DEVICE_TO_DEVICE as PEER_DEVICE_TO_DEVICE,  # re-exported: the metric paths
+    PEER_HOST_TO_DEVICE as PEER_HOST_TO_DEVICE,
+    IncompatibleBlocks,
+    ReadPlan,
+    block_plan,
+    slot_plan,
+)
 from tiercache.backends.nixl_read import TagMirror, read_to_completion, thread_schedstat
 from tiercache.device import CopySegment
 from tiercache.layout import block_runs
-from tiercache.pd_blocks import BlockRegions, paired_descs, plane_descs, slot_descs
+from tiercache.pd_blocks import BlockRegions
 from tiercache.pd_channel import TAG_BYTES, ChannelError, PeerLink, key_tag, make_agent
 
 logger = logging.getLogger(__name__)
 
 PEER_TIER = "peer"
-# transfer-metric paths of the NIXL READs alone (tiercache_transfer_*{path=...}), by source:
-# the producer's host slots (via_host) or its KV blocks (direct); both land in our blocks
-PEER_HOST_TO_DEVICE = "peer_host_to_device"
-PEER_DEVICE_TO_DEVICE = "peer_device_to_device"
-# ... and of the data READs alone, either source: the READ's handle made, posted, completed and
+# transfer-metric paths: PEER_HOST_TO_DEVICE / PEER_DEVICE_TO_DEVICE (backends/nixl_plans.py), the
+# whole hand-off by source; and of the data READs alone, either source: the READ's handle made, posted, completed and
 # released (no descriptor building, no tag READ); comparable with raw NIXL and NIXL's own telemetry
 PEER_DATA_READ = "peer_data_read"
 _HELLO_ATTEMPT_S = 1.0
@@ -89,12 +94,15 @@ class PeerChunk:
     """One handed-off chunk: its producer and where the producer holds it.
 
     Mode via_host: ``slot`` is the producer's host slot. Mode direct: ``slot``
-    is -1 and ``blocks`` are the producer's KV blocks of the chunk.
+    is -1 and ``blocks`` are the producer's KV blocks of the chunk. ``tag``: the
+    key's :func:`key_tag`, computed by the scheduler that learned the hand-off
+    (off the worker's READ path); 0: computed at the read.
     """
 
     source: PeerSource
     slot: int
     blocks: tuple[int, ...] = ()
+    tag: int = 0
 
 
 @dataclass
@@ -103,18 +111,6 @@ class _Job:
     keys: list[bytes]
     chunks: dict[bytes, PeerChunk]
     segments: list[CopySegment]  # the consumer's blocks of each key
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How to read one producer's chunks: descriptors for any subset, and their tags."""
-
-    descs: Callable[[list[int]], tuple[np.ndarray, np.ndarray]]  # chunk indices -> (local, remote)
-    remote_mem: str
-    tags_addr: int
-    tag_count: int  # tags in the producer's array (slots or blocks)
-    tag_index: list[list[int]]  # per chunk: the producer tags guarding it (slot or blocks)
-    path: str  # transfer-metric path
 
 
 class _MustWait(Exception):
@@ -306,13 +302,17 @@ class NixlPeerTier:
             except ValueError as exc:
                 raise ChannelError(f"our blocks: {exc}") from exc
             if all(c.slot >= 0 for c in chunks):
-                plan = self._slot_plan(link, segments, chunks)
+                plan = slot_plan(self.blocks, link, segments, chunks, self.chunk_bytes)
             elif all(c.slot < 0 for c in chunks):
-                plan = self._block_plan(link, src, segments, chunks)
+                try:
+                    plan = block_plan(self.blocks, link, segments, chunks)
+                except IncompatibleBlocks as exc:
+                    self._refuse((src.host, src.port + self.rank), f"producer {link.address} is incompatible: {exc}")
+                    raise
             else:
                 raise ChannelError(f"producer {link.address}: a hand-off mixes host slots and KV blocks")
             t0 = time.monotonic()
-            arrived, data_bytes, data_secs = self._read_until_tagged(link, plan, [key_tag(k) for k in keys],
+            arrived, data_bytes, data_secs = self._read_until_tagged(link, plan, [c.tag or key_tag(k) for k, c in zip(keys, chunks)],
                                                                      deadline, wait)
             t1 = time.monotonic()
             moved = sum(len(segments[i].block_ids) for i in arrived) * sum(self.blocks.pages)
@@ -329,61 +329,7 @@ class NixlPeerTier:
             self._failed(src, len(keys), start, exc)
             return []
 
-    def _slot_plan(self, link: PeerLink, segments: list[CopySegment], chunks: list[PeerChunk]) -> _Plan:
-        """Mode via_host: each chunk from the producer's host slot, one tag per slot."""
-        assert self.blocks is not None
-        slots = [c.slot for c in chunks]
-        if any(not 0 <= s < link.num_slots for s in slots):
-            raise ChannelError(f"producer {link.address}: hand-off names a slot outside its {link.num_slots}")
-        if link.slot_bytes != self.chunk_bytes:
-            raise ChannelError(f"producer {link.address}: {link.slot_bytes}-byte slots, ours {self.chunk_bytes}")
-        blocks = self.blocks
-        planes = link.slot_planes
-
-        def descs(idx: list[int]) -> tuple[np.ndarray, np.ndarray]:
-            chosen = [slots[i] for i in idx]
-            firsts = [segments[i].first_block for i in idx]
-            ours = [segments[i].block_ids for i in idx]
-            try:
-                if planes is not None:  # layout planes: a run of slots is one descriptor per region
-                    return plane_descs(blocks, planes, link.num_slots, chosen, firsts, ours)
-                return slot_descs(blocks, link.slab_addr, link.slot_bytes, chosen, firsts, ours)
-            except ValueError as exc:
-                raise ChannelError(f"producer {link.address}: {exc}") from exc
-
-        return _Plan(descs, "DRAM", link.tags_addr, link.num_slots, [[s] for s in slots], PEER_HOST_TO_DEVICE)
-
-    def _block_plan(self, link: PeerLink, src: PeerSource, segments: list[CopySegment],
-                    chunks: list[PeerChunk]) -> _Plan:
-        """Mode direct: each chunk from the producer's KV blocks, one tag per block."""
-        assert self.blocks is not None
-        theirs = link.blocks
-        if theirs is None:
-            raise ChannelError(f"producer {link.address} exposes no KV blocks (its pd.mode is not direct)")
-        why = self.blocks.mismatch(theirs)
-        if why:
-            self._refuse((src.host, src.port + self.rank), f"producer {link.address} is incompatible: {why}")
-            raise ChannelError(why)
-        sources: list[list[int]] = []
-        for seg, chunk in zip(segments, chunks):
-            src_blocks = list(chunk.blocks[seg.first_block:seg.first_block + len(seg.block_ids)])
-            if len(src_blocks) != len(seg.block_ids):
-                raise ChannelError(f"producer {link.address}: hand-off names too few blocks for a chunk")
-            sources.append(src_blocks)
-        try:
-            theirs.check_blocks([b for blocks in sources for b in blocks])
-        except ValueError as exc:
-            raise ChannelError(f"producer {link.address}: {exc}") from exc
-        ours = self.blocks
-
-        def descs(idx: list[int]) -> tuple[np.ndarray, np.ndarray]:
-            return paired_descs(ours, theirs, [b for i in idx for b in segments[i].block_ids],
-                                [b for i in idx for b in sources[i]])
-
-        return _Plan(descs, theirs.mem_type, link.block_tags_addr, theirs.num_blocks, sources,
-                     PEER_DEVICE_TO_DEVICE)
-
-    def _read_until_tagged(self, link: PeerLink, plan: _Plan, expected: list[int], deadline: float,
+    def _read_until_tagged(self, link: PeerLink, plan: ReadPlan, expected: list[int], deadline: float,
                            wait: bool) -> tuple[list[int], int, float]:
         """READ the data, then its tags; again for chunks whose tags were 0.
 

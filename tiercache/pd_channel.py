@@ -69,6 +69,7 @@ serialised by ``_agent_lock``, the read request ids by ``_read_lock``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import selectors
@@ -102,8 +103,13 @@ class ChannelError(ConnectionError):
 
 
 def key_tag(key: bytes) -> int:
-    """The slot tag of a chunk key (never 0: 0 means "being written")."""
-    return int.from_bytes(key[:TAG_BYTES].ljust(TAG_BYTES, b"\0"), "little") or 1
+    """The slot tag of a chunk key: 8 bytes of BLAKE2b of the whole key (never 0: 0 means "being written").
+
+    The whole key: its first bytes are the namespace digest, the same for every
+    chunk of an engine (until session 9 the tag was those bytes, so a slot or
+    block reused for another chunk of the same engine passed the check).
+    """
+    return int.from_bytes(hashlib.blake2b(key, digest_size=TAG_BYTES).digest(), "little") or 1
 
 
 def encode_message(message: dict[str, Any]) -> bytes:

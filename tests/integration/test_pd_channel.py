@@ -42,7 +42,7 @@ from tiercache.backend import JobResult  # noqa: E402
 from tiercache.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout, slab_planes  # noqa: E402
 from tiercache.pd_blocks import BlockRegions  # noqa: E402
-from tiercache.pd_channel import ProducerEndpoint  # noqa: E402
+from tiercache.pd_channel import ProducerEndpoint, key_tag  # noqa: E402
 
 BLOCKS = 16  # the consumer's KV cache: 2 layers of (K/V, blocks, 32 tokens, 2 heads, 16) float32
 BPC = 2  # blocks per chunk
@@ -258,15 +258,29 @@ def test_read_waits_for_a_copy_still_in_progress(pair, monkeypatch: pytest.Monke
 def test_reused_slot_is_not_served_for_the_old_key(pair, monkeypatch: pytest.MonkeyPatch, mirror: bool) -> None:
     tag_reads(monkeypatch, mirror)
     _prod, cons, server, peer, port, _ = pair
-    server.slot_filled([b"a" * 16], [4])
+    old, new = one_engines_keys(2)  # real chunk keys: they share their first bytes (the namespace digest)
+    server.slot_filled([old], [4])
     server.slot_filling([4])  # a new copy into slot 4 begins: the old key is gone
-    server.slot_filled([b"b" * 16], [4])  # ... and slot 4 now holds another chunk
-    peer.expect({b"a" * 16: chunk(port, 4)})
+    server.slot_filled([new], [4])  # ... and slot 4 now holds another chunk of the same engine
+    peer.expect({old: chunk(port, 4)})
     start = time.monotonic()
-    peer.submit_blocks(3, [b"a" * 16], into((0, 1)))
+    peer.submit_blocks(3, [old], into((0, 1)))
     res = wait_result(peer)
-    assert res.failed_keys == (b"a" * 16,) and time.monotonic() - start < 5
+    assert res.failed_keys == (old,) and time.monotonic() - start < 5
     assert peer.counters["stale_chunks"] == 1 and peer.take_transfers() == []
+
+
+def one_engines_keys(n: int) -> list[bytes]:
+    """``n`` chunk keys as one engine makes them (one namespace, different prefixes)."""
+    from tiercache.keys import KeySpace, Namespace
+
+    space = KeySpace(Namespace("m", "torch.float32", "NHD", 32, 32, 1, 4096, "sha256"), 1)
+    return space.chunk_keys([bytes([i]) * 32 for i in range(n)])
+
+
+def test_one_engines_chunks_get_different_tags() -> None:
+    keys = one_engines_keys(64)
+    assert len({key_tag(k) for k in keys}) == 64 and 0 not in {key_tag(k) for k in keys}
 
 
 def test_slot_outside_the_producer_slab_fails_cleanly(pair) -> None:

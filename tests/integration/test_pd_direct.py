@@ -28,7 +28,7 @@ from tiercache.backends.nixl_peer import (  # noqa: E402
 )
 from tiercache.backends.nixl_read import TagMirror  # noqa: E402
 
-from tests.integration.test_pd_channel import FP, Stepper, wait_result  # noqa: E402
+from tests.integration.test_pd_channel import FP, Stepper, one_engines_keys, wait_result  # noqa: E402
 from tiercache.backend import JobResult  # noqa: E402
 from tiercache.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout  # noqa: E402
@@ -140,13 +140,14 @@ def test_released_and_reused_blocks_are_not_served(direct, monkeypatch: pytest.M
     if not mirror:  # tags READ run by run, not as the producer's whole array
         monkeypatch.setattr(TagMirror, "MAX_BYTES", 0)
     _prod, _cons, server, peer, port, _ = direct
-    server.hold_blocks("old", [b"o" * 16], [(1, 2)])
+    old, new = one_engines_keys(2)  # real chunk keys: they share their first bytes (the namespace digest)
+    server.hold_blocks("old", [old], [(1, 2)])
     server.release_blocks("old")
-    server.hold_blocks("new", [b"n" * 16], [(1, 2)])  # vLLM gave the blocks to another hand-off
-    peer.expect({b"o" * 16: PeerChunk(src(port, "old"), -1, (1, 2))})
-    peer.submit_blocks(3, [b"o" * 16], [CopySegment(-1, 0, (4, 5))])
+    server.hold_blocks("new", [new], [(1, 2)])  # vLLM gave the blocks to another hand-off
+    peer.expect({old: PeerChunk(src(port, "old"), -1, (1, 2))})
+    peer.submit_blocks(3, [old], [CopySegment(-1, 0, (4, 5))])
     res = wait_blocks(peer)
-    assert res.failed_keys == (b"o" * 16,) and peer.counters["stale_chunks"] == 1
+    assert res.failed_keys == (old,) and peer.counters["stale_chunks"] == 1
     assert peer.take_transfers() == []  # a stale chunk counts as no transfer
 
 

@@ -1,0 +1,105 @@
+"""Read plans for the P/D consumer: which producer memory lands in which of our blocks, and its tags.
+
+One :class:`ReadPlan` per hand-off READ (:class:`tiercache.backends.nixl_peer.NixlPeerTier`
+runs it): descriptors for any subset of the hand-off's chunks (a retry reads
+only those whose tags were not ready) and the producer tags guarding each chunk.
+
+* :func:`slot_plan`, mode via_host: each chunk from the producer's host slot
+  (one tag per slot); a slab in layout planes reads a run of slots as one
+  descriptor per region (:func:`tiercache.pd_blocks.plane_descs`), layout slots
+  one per region per chunk (:func:`tiercache.pd_blocks.slot_descs`).
+* :func:`block_plan`, mode direct: each chunk from the producer's KV blocks
+  (one tag per block), runs of consecutive blocks on both sides as one
+  descriptor per region (:func:`tiercache.pd_blocks.paired_descs`).
+
+Anything the producer names that we cannot read is a ``ChannelError`` (the
+keys fail and are recomputed); a producer whose KV pages differ from ours is an
+:class:`IncompatibleBlocks` (the caller refuses the peer). Pure: no NIXL calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tiercache.device import CopySegment
+from tiercache.pd_blocks import BlockRegions, paired_descs, plane_descs, slot_descs
+from tiercache.pd_channel import ChannelError, PeerLink
+
+if TYPE_CHECKING:
+    from tiercache.backends.nixl_peer import PeerChunk
+
+# transfer-metric paths of a whole hand-off (tiercache_transfer_*{path=...}), by source: the
+# producer's host slots (via_host) or its KV blocks (direct); both land in our blocks
+PEER_HOST_TO_DEVICE = "peer_host_to_device"
+PEER_DEVICE_TO_DEVICE = "peer_device_to_device"
+
+
+class IncompatibleBlocks(ChannelError):
+    """The producer's KV blocks are not ours to read into (other pages): refuse the peer."""
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How to read one producer's chunks: descriptors for any subset, and their tags."""
+
+    descs: Callable[[list[int]], tuple[np.ndarray, np.ndarray]]  # chunk indices -> (local, remote)
+    remote_mem: str
+    tags_addr: int
+    tag_count: int  # tags in the producer's array (slots or blocks)
+    tag_index: list[list[int]]  # per chunk: the producer tags guarding it (slot or blocks)
+    path: str  # transfer-metric path
+
+
+def slot_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment],
+              chunks: Sequence[PeerChunk], chunk_bytes: int) -> ReadPlan:
+    """Mode via_host: each chunk from the producer's host slot, one tag per slot."""
+    slots = [c.slot for c in chunks]
+    if any(not 0 <= s < link.num_slots for s in slots):
+        raise ChannelError(f"producer {link.address}: hand-off names a slot outside its {link.num_slots}")
+    if link.slot_bytes != chunk_bytes:
+        raise ChannelError(f"producer {link.address}: {link.slot_bytes}-byte slots, ours {chunk_bytes}")
+    planes = link.slot_planes
+
+    def descs(idx: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        chosen = [slots[i] for i in idx]
+        firsts = [segments[i].first_block for i in idx]
+        blocks = [segments[i].block_ids for i in idx]
+        try:
+            if planes is not None:  # layout planes: a run of slots is one descriptor per region
+                return plane_descs(ours, planes, link.num_slots, chosen, firsts, blocks)
+            return slot_descs(ours, link.slab_addr, link.slot_bytes, chosen, firsts, blocks)
+        except ValueError as exc:
+            raise ChannelError(f"producer {link.address}: {exc}") from exc
+
+    return ReadPlan(descs, "DRAM", link.tags_addr, link.num_slots, [[s] for s in slots], PEER_HOST_TO_DEVICE)
+
+
+def block_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment],
+               chunks: Sequence[PeerChunk]) -> ReadPlan:
+    """Mode direct: each chunk from the producer's KV blocks, one tag per block."""
+    theirs = link.blocks
+    if theirs is None:
+        raise ChannelError(f"producer {link.address} exposes no KV blocks (its pd.mode is not direct)")
+    why = ours.mismatch(theirs)
+    if why:
+        raise IncompatibleBlocks(why)
+    sources: list[list[int]] = []
+    for seg, chunk in zip(segments, chunks):
+        src_blocks = list(chunk.blocks[seg.first_block:seg.first_block + len(seg.block_ids)])
+        if len(src_blocks) != len(seg.block_ids):
+            raise ChannelError(f"producer {link.address}: hand-off names too few blocks for a chunk")
+        sources.append(src_blocks)
+    try:
+        theirs.check_blocks([b for blocks in sources for b in blocks])
+    except ValueError as exc:
+        raise ChannelError(f"producer {link.address}: {exc}") from exc
+
+    def descs(idx: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        return paired_descs(ours, theirs, [b for i in idx for b in segments[i].block_ids],
+                            [b for i in idx for b in sources[i]])
+
+    return ReadPlan(descs, theirs.mem_type, link.block_tags_addr, theirs.num_blocks, sources, PEER_DEVICE_TO_DEVICE)
