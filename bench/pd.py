@@ -8,9 +8,9 @@ The same two-engine setup for each connector, on loopback, in one run:
 * a **consumer** (decode) engine on the other core, running at the same
   time, then serves the same prompts with those params, one request at a time
   (``max_tokens=1``; with ``--in-engine-raw`` a raw READ runs between them), so each request's time-to-first-token is the KV transfer
-  plus the prompt's last token (for a prompt of whole chunks, as here; otherwise
-  its partial last chunk). It also prefills fresh prompts of the same
-  lengths itself ("recompute", for reference).
+  plus the prompt's last token (both connectors hand off a partial last chunk
+  too). It also prefills fresh prompts of the same lengths itself
+  ("recompute", for reference).
 
 By default each engine's every process (front-end, engine core, worker) is
 pinned to its core (``--isolate-engines``), standing in for separate prefill
@@ -139,6 +139,16 @@ def error_mode(kind: str) -> str:
     return "peer" if kind == "nixl" else "none"
 
 
+def handoff_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Blocks a decode engine loads for a prompt, with either connector: all of it but the last token.
+
+    tiercache hands off the prompt's whole chunks and its partial last chunk
+    (connector/prompt_tail.py); NixlConnector READs every block of the
+    prompt's first ``prompt_tokens - 1`` tokens. The raw READs are this size.
+    """
+    return -(-(prompt_tokens - 1) // block_size)
+
+
 def in_engine_raw_round(info_file: Path, kind: str, chunk_bytes: int, chunks: int, reads: int,
                         **extra: Any) -> dict[str, Any]:
     """A consumer round that READs raw NIXL inside the decode engine's worker (tiercache.testing.raw_nixl)."""
@@ -157,7 +167,7 @@ def consumer_plan(kind: str, work: Path, args: argparse.Namespace, prompts: dict
     rounds = warmup_rounds(args)
     first_after_warmup = len(rounds)
     if raw_info is not None:  # the reader's agent, buffer and handles, made before anything is timed
-        rounds += [in_engine_raw_round(raw_info, kind, chunk_bytes, (n - 1) // args.block_size, 0)
+        rounds += [in_engine_raw_round(raw_info, kind, chunk_bytes, handoff_blocks(n, args.block_size), 0)
                    for n in args.lengths]
     params_files: dict[tuple[int, int], Path] = {}
     for n in args.lengths:
@@ -166,7 +176,7 @@ def consumer_plan(kind: str, work: Path, args: argparse.Namespace, prompts: dict
             rounds.append({"prompts": [prompt], "max_tokens": 1, "length": n, "phase": "decode",
                            "kv_transfer_params_file": str(params_files[n, i])})
             if raw_info is not None:
-                rounds.append(in_engine_raw_round(raw_info, kind, chunk_bytes, (n - 1) // args.block_size, 1,
+                rounds.append(in_engine_raw_round(raw_info, kind, chunk_bytes, handoff_blocks(n, args.block_size), 1,
                                                   length=n, phase="raw"))
     for n in args.lengths:
         rounds.append({"prompts": random_prompts(len(prompts[n]), n, seed=70_000 + n), "max_tokens": 1,
@@ -210,7 +220,7 @@ def run_pair(kind: str, model: Path, work: Path, args: argparse.Namespace,
         if raw_info is not None:
             ctx = mp.get_context("spawn")
             stop_target, child = ctx.Pipe()
-            nbytes = chunk_bytes * ((max(order) - 1) // args.block_size) * args.raw_handoffs
+            nbytes = chunk_bytes * handoff_blocks(max(order), args.block_size) * args.raw_handoffs
             target = ctx.Process(target=serve_target, daemon=True,
                                  args=(child, nbytes, error_mode(kind), str(raw_info), int(PRODUCER_CPU)))
             target.start()
@@ -381,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs[kind] = run_pair(kind, model, work, args, prompts)
 
     chunk_bytes = kv_bytes_per_token(model, args.dtype) * args.block_size
-    raw_chunks = (max(args.lengths) - 1) // args.block_size
+    raw_chunks = handoff_blocks(max(args.lengths), args.block_size)
     raw_runs = [(mode, handoffs) for mode in ERROR_MODES for handoffs in (1, args.raw_handoffs)]
     raw_all = {run: raw_nixl_gbps(chunk_bytes, raw_chunks, args.raw_seconds, *run)
                for run in tqdm(raw_runs, desc="raw NIXL", unit="run")}

@@ -38,6 +38,13 @@ offloading (DESIGN.md section 6):
   any lower tier; :meth:`sources_for` tells the worker which producer holds
   each key it loads. After the load the knowledge is dropped (the producer
   releases the chunks); a failed load is recomputed.
+* **The prompt's tail** (its partial last chunk, connector/prompt_tail.py) goes
+  with the chunks in both modes, last, under a tail key: the producer stores it
+  (via_host, :meth:`PDScheduler.tail_to_store`) or holds its blocks (direct);
+  the consumer loads it when its own tokens give the same key
+  (:meth:`PDScheduler.tail_key`), so its engine computes only the prompt's last
+  token. A via_host tail is dropped from the host tier when its hold ends
+  (nothing but a hand-off ever looks it up).
 """
 
 from __future__ import annotations
@@ -53,8 +60,10 @@ from tiercache.config import PDConfig
 from tiercache.handoff import Handoff, HandoffError, fingerprint, mismatches
 from tiercache.keys import KeySpace
 from tiercache.manager import OffloadingManager
+from tiercache.pd_channel import key_tag
 
 from tiercache.connector.block_pins import BlockPins
+from tiercache.connector.prompt_tail import PromptTail, prompt_tail
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -77,6 +86,7 @@ class _Hold:
     keys: list[bytes]
     deadline: float
     direct: bool = False  # the request's device blocks, not host chunks
+    tail: bytes | None = None  # via_host: the tail's key among keys (dropped when the hold ends)
     ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) whose consumer read it
 
 
@@ -113,6 +123,7 @@ class DirectHold:
 
     keys: tuple[bytes, ...]
     blocks: tuple[tuple[int, ...], ...]  # the blocks of each key
+    tail_tokens: int = 0  # > 0: the last key is the prompt's tail (connector/prompt_tail.py)
 
 
 class PDScheduler:
@@ -121,6 +132,7 @@ class PDScheduler:
         self.settings = settings
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = blocks_per_chunk
+        self.block_size = chunk_tokens // blocks_per_chunk
         self.is_producer = kv_role in PRODUCER_ROLES
         self.is_consumer = kv_role in CONSUMER_ROLES
         self.keys = keys
@@ -130,6 +142,7 @@ class PDScheduler:
         self.fingerprint = fingerprint(keys.namespace)
         self._holds: dict[str, _Hold] = {}
         self._sources: dict[bytes, PeerChunk] = {}
+        self._tails: dict[str, bytes] = {}  # consumer: request -> the tail key it may load (checked)
         self._asked: set[str] = set()  # consumer requests whose hand-off was looked at
         # mode direct: the blocks marked on the worker, per request; for the next step's
         # metadata: marks to set, marks to clear (no hand-off after all: preempted, stopped,
@@ -169,16 +182,33 @@ class PDScheduler:
         return self.settings.nixl_error_handling == "peer" and bool(self._holds)
 
     def _direct_hold(self, request: Request, block_ids: list[int]) -> DirectHold | None:
-        """The prompt's full chunks and their blocks (None: not a mode-direct hand-off)."""
+        """The prompt's full chunks and tail, and their blocks (None: not a mode-direct hand-off)."""
         params = request.kv_transfer_params or {}
         if not (self.marks_prefills and params.get("do_remote_decode")):
             return None
         keys = self.keys.chunk_keys(request.block_hashes)
         bpc = self.blocks_per_chunk
-        n = min(request.num_prompt_tokens // self.chunk_tokens, len(keys), len(block_ids) // bpc)
-        if n == 0:
+        whole = request.num_prompt_tokens // self.chunk_tokens
+        n = min(whole, len(keys), len(block_ids) // bpc)
+        held = [(keys[i], tuple(block_ids[i * bpc:(i + 1) * bpc])) for i in range(n)]
+        tail = self._tail(request) if n == whole else None
+        if tail is not None and len(block_ids) >= n * bpc + tail.blocks(self.block_size):
+            held.append((tail.key, tuple(block_ids[n * bpc:n * bpc + tail.blocks(self.block_size)])))
+        else:
+            tail = None
+        if not held:
             return None
-        return DirectHold(tuple(keys[:n]), tuple(tuple(block_ids[i * bpc:(i + 1) * bpc]) for i in range(n)))
+        return DirectHold(tuple(k for k, _ in held), tuple(b for _, b in held), tail.tokens if tail else 0)
+
+    def _tail(self, request: Request) -> PromptTail | None:
+        return prompt_tail(request, self.keys, self.chunk_tokens, self.block_size)
+
+    def tail_to_store(self, request: Request) -> PromptTail | None:
+        """Producer, mode via_host: the tail to store with the prompt's chunks (None: no hand-off, or no tail)."""
+        params = request.kv_transfer_params or {}
+        if not (self.is_producer and self.settings.mode == "via_host" and params.get("do_remote_decode")):
+            return None
+        return self._tail(request)
 
     def mark_prefill(self, request: Request, block_ids: list[int]) -> None:
         """Mode direct: this step's forward pass completes the prompt; the worker marks its blocks after it."""
@@ -202,6 +232,7 @@ class PDScheduler:
         if not self.is_producer or not params.get("do_remote_decode"):
             return False, None
         deadline = time.monotonic() + self.settings.handoff_timeout_s
+        tail_tokens = 0
         if self.settings.mode == "direct":
             rid = request.request_id
             marked = self._marked.pop(rid, None)
@@ -216,6 +247,7 @@ class PDScheduler:
                     raise RuntimeError("tiercache P/D: mode direct needs vLLM's block pool "
                                        "(bind_kv_cache_manager was not called)")
                 held, where = list(hold.keys), [b for blocks in hold.blocks for b in blocks]
+                tail_tokens = hold.tail_tokens
                 if hold != marked:  # not marked at its prefill step (or other blocks since): mark now
                     self._new_direct[rid] = hold
                 self._holds[rid] = _Hold(held, deadline, direct=True)
@@ -224,15 +256,21 @@ class PDScheduler:
                 self._pinned[rid] = _Pinned(where, deadline)
         else:
             prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
-            held = self.manager.hold(self.keys.chunk_keys(request.block_hashes)[:prompt_chunks])
+            keys = self.keys.chunk_keys(request.block_hashes)[:prompt_chunks]
+            tail = self._tail(request) if len(keys) == prompt_chunks else None
+            held = self.manager.hold(keys + ([tail.key] if tail else []))  # a prefix of them
             where = self.manager.host_slots(held)
+            if tail is not None and len(held) == len(keys) + 1:
+                tail_tokens = tail.tokens
+            elif tail is not None:
+                self.manager.discard([tail.key])  # stored, but a chunk before it is missing: useless
             if held:
-                self._holds[request.request_id] = _Hold(held, deadline)
+                self._holds[request.request_id] = _Hold(held, deadline, tail=tail.key if tail_tokens else None)
         self.counters["handoffs_offered"] += 1
         return False, Handoff(
             engine_id=self.engine_id, host=self.settings.host, port=self.settings.port,
             request_id=request.request_id, keys=tuple(held), slots=tuple(where), fingerprint=self.fingerprint,
-            tp_size=self.tp_size, mode=self.settings.mode,
+            tp_size=self.tp_size, mode=self.settings.mode, tail_tokens=tail_tokens,
         ).to_params()
 
     def take_direct(self) -> tuple[dict[str, DirectHold], list[str], list[str]]:
@@ -249,6 +287,8 @@ class PDScheduler:
             # read: the workers that heard the notice cleared the tags already and report it
         else:
             self.manager.complete_load(hold.keys)
+            if hold.tail is not None:
+                self.manager.discard([hold.tail])  # only a hand-off looks a tail up: free its slot now
         self.counters[f"handoffs_{outcome}"] += 1
 
     def _force_release(self, rid: str) -> None:
@@ -307,20 +347,37 @@ class PDScheduler:
                          handoff.host, handoff.port, "; ".join(diff))
             self.counters["handoffs_refused"] += 1
             return
-        n = len(handoff.keys)
-        if tuple(keys[:n]) != handoff.keys:
+        full = handoff.full_keys
+        if tuple(keys[:len(full)]) != full:
             logger.error("tiercache P/D: request %s: the producer's chunk keys do not match this "
                          "prompt (different tokens?); recomputing", request.request_id)
             self.counters["handoffs_refused"] += 1
             return
+        offered = list(handoff.keys)
+        if handoff.tail_key is not None:
+            ours = self._tail(request)
+            if ours is not None and (ours.key, ours.chunk, ours.tokens) == (handoff.tail_key, len(full),
+                                                                            handoff.tail_tokens):
+                self._tails[request.request_id] = ours.key
+            else:  # the chunks are still good; this engine computes the tail
+                logger.warning("tiercache P/D: request %s: the producer's prompt tail does not match this "
+                               "prompt's; its %d tokens are recomputed", request.request_id, handoff.tail_tokens)
+                offered.pop()
         src = PeerSource(handoff.host, handoff.port, handoff.request_id)
-        self.manager.learn(PEER_TIER, list(handoff.keys))
+        self.manager.learn(PEER_TIER, offered)
         if handoff.mode == "direct":
-            for key, blocks in zip(handoff.keys, handoff.blocks_of(self.blocks_per_chunk)):
-                self._sources[key] = PeerChunk(src, -1, blocks)
+            for key, blocks in zip(offered, handoff.blocks_of(self.blocks_per_chunk)):
+                self._sources[key] = PeerChunk(src, -1, blocks, key_tag(key))
         else:
-            for key, slot in zip(handoff.keys, handoff.slots):
-                self._sources[key] = PeerChunk(src, slot)
+            for key, slot in zip(offered, handoff.slots):
+                self._sources[key] = PeerChunk(src, slot, tag=key_tag(key))
+
+    def tail_key(self, request: Request, chunks: int) -> bytes | None:
+        """Consumer: the checked tail key of ``request``'s hand-off, when the tail is chunk ``chunks`` (else None)."""
+        key = self._tails.get(request.request_id)
+        if key is None or chunks != request.num_prompt_tokens // self.chunk_tokens:
+            return None
+        return key
 
     def sources_for(self, tiers: tuple[str, ...], keys: tuple[bytes, ...]) -> dict[bytes, PeerChunk]:
         """Where the producers hold the keys a load plan reads from a peer tier."""
@@ -335,6 +392,7 @@ class PDScheduler:
 
     def forget_request(self, request_id: str) -> None:
         self._asked.discard(request_id)
+        self._tails.pop(request_id, None)
 
 
 def _length_capped(request: Request) -> bool:

@@ -50,6 +50,7 @@ class _RequestState:
     lookup_local_tokens: int | None = None  # vLLM's own hit, from get_num_new_matched_tokens
     lookup_hit_tokens: int = 0
     shared_asked: bool = False  # the shared tiers answered for this request already
+    tail_stored: bool = False  # P/D producer, via_host: the prompt's tail was offered to the host tier
 
 
 @dataclass
@@ -156,11 +157,16 @@ class TierCacheScheduler:
             # The engine's own cache serves these: keep our copies warm too, so they
             # outlive the engine's copy (it evicts under pressure first).
             self.manager.touch(keys[:local_chunks])
+        covered = hits * self.chunk_tokens
+        tail = self.pd.tail_key(request, len(keys)) if self.pd is not None else None
+        if tail is not None and hits == len(keys) and self.manager.lookup([tail]):
+            covered = request.num_prompt_tokens  # a P/D hand-off's prompt tail (connector/prompt_tail.py)
         # vLLM must compute at least the last prompt token itself. When every chunk of the
-        # prompt hits (its length is a multiple of the chunk), the last chunk loads whole and
-        # vLLM computes that one token, as after NixlConnector's hand-off; its KV slot is
-        # written again by the forward pass. Otherwise the partial tail is computed.
-        hit_tokens = min(hits * self.chunk_tokens, request.num_tokens - 1)
+        # prompt hits (its length is a multiple of the chunk, or a hand-off brought its tail),
+        # the last chunk loads whole and vLLM computes that one token, as after NixlConnector's
+        # hand-off; its KV slot is written again by the forward pass. Otherwise the partial tail
+        # is computed.
+        hit_tokens = min(covered, request.num_tokens - 1)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         st = self._state(request)
@@ -204,7 +210,13 @@ class TierCacheScheduler:
         ct, bs, bpc = self.chunk_tokens, self.block_size, self.bpc
         block_ids = blocks.get_block_ids()[0]
         first_chunk, last_chunk = start // ct, (end - 1) // ct
-        keys = tuple(self.keys.chunk_keys(request.block_hashes)[first_chunk : last_chunk + 1])
+        chunk_keys = self.keys.chunk_keys(request.block_hashes)
+        keys = tuple(chunk_keys[first_chunk : last_chunk + 1])
+        if last_chunk == len(chunk_keys) and self.pd is not None:
+            tail = self.pd.tail_key(request, len(chunk_keys))
+            if tail is None:
+                raise RuntimeError(f"tiercache: load of {request.request_id} up to token {end} without its prompt tail")
+            keys += (tail,)
         plan = self.manager.prepare_load(keys)
         segments: list[CopySegment] = []
         tokens_by_tier: dict[str, int] = {}
@@ -222,7 +234,7 @@ class TierCacheScheduler:
         self._step_loads.append(job)
         if self.pd is not None and not self.pd.settings.keep_received and PEER_TIER in plan.tiers:
             # A pure decode engine: the hand-off's chunks are not copied out again into the host tier.
-            st.next_store_chunk = max(st.next_store_chunk, first_chunk + len(plan.keys))
+            st.next_store_chunk = max(st.next_store_chunk, min(first_chunk + len(plan.keys), len(chunk_keys)))
         if self.pd is not None:
             self._step_peer_sources.update(self.pd.sources_for(plan.tiers, plan.keys))
         if any(plan.staged) or any(s < 0 for s in plan.slots):
@@ -254,6 +266,7 @@ class TierCacheScheduler:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.next_store_chunk = 0  # re-offer on resume; present chunks are skipped
+                st.tail_stored = False
             if self.pd is not None:
                 self.pd.preempted(req_id)
         for req_id in scheduler_output.finished_req_ids:
@@ -297,10 +310,17 @@ class TierCacheScheduler:
             limit = min(limit, request.num_prompt_tokens)
         full_chunks = min(computed_after, limit) // self.chunk_tokens
         first = st.next_store_chunk
-        if full_chunks <= first:
+        keys = self.keys.chunk_keys(request.block_hashes, start_chunk=first)[: max(full_chunks - first, 0)]
+        st.next_store_chunk = max(full_chunks, first)
+        tail = None
+        if self.pd is not None and not st.tail_stored and computed_after >= request.num_prompt_tokens:
+            # P/D producer, via_host: the prompt's partial last chunk goes with its chunks
+            tail = self.pd.tail_to_store(request)
+            st.tail_stored = True
+        if tail is not None:
+            keys.append(tail.key)
+        if not keys:
             return None
-        keys = self.keys.chunk_keys(request.block_hashes, start_chunk=first)[: full_chunks - first]
-        st.next_store_chunk = full_chunks
         plan = self.manager.prepare_store(keys)
         if plan is None:
             return None
@@ -313,8 +333,12 @@ class TierCacheScheduler:
         bpc = self.bpc
         segments = []
         for key, slot in zip(plan.keys, plan.slots):
-            c = chunk_of[key]
-            segments.append(CopySegment(slot, 0, tuple(block_ids[c * bpc : (c + 1) * bpc])))
+            if tail is not None and key == tail.key:  # its blocks, the last partly filled
+                c, end = tail.chunk, tail.chunk * bpc + tail.blocks(self.block_size)
+            else:
+                c = chunk_of[key]
+                end = (c + 1) * bpc
+            segments.append(CopySegment(slot, 0, tuple(block_ids[c * bpc : end])))
         self._count("store_jobs", 1)
         return self._new_job("store", req_id, plan.keys, tuple(segments))
 

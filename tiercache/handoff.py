@@ -7,8 +7,8 @@ routers written for vLLM's P/D forward them unchanged::
     {"do_remote_prefill": True, "do_remote_decode": False,
      "remote_engine_id": ..., "remote_host": ..., "remote_port": ...,
      "remote_block_ids": [slot or block, ...], "remote_request_id": ..., "tp_size": ...,
-     "tiercache": {"version": 3, "mode": "via_host" | "direct",
-                   "chunk_keys": [hex, ...], "fingerprint": {...}}}
+     "tiercache": {"version": 4, "mode": "via_host" | "direct",
+                   "chunk_keys": [hex, ...], "tail_tokens": int, "fingerprint": {...}}}
 
 ``remote_host``/``remote_port`` name the producer's side channel (rank 0;
 rank r listens on port + r); ``chunk_keys`` are the prompt's chunk keys the
@@ -16,7 +16,9 @@ producer holds for the consumer, in prompt order. In mode ``via_host``
 ``remote_block_ids`` names the producer's host slot holding each key; in mode
 ``direct`` it names the producer's KV blocks, ``blocks_per_chunk`` per key, as
 vLLM's NixlConnector does (the consumer READs them directly and checks their
-tags, see tiercache.pd_channel); ``fingerprint`` is the
+tags, see tiercache.pd_channel). ``tail_tokens`` > 0 says the last key is the
+prompt's partial last chunk of that many tokens (connector/prompt_tail.py): one
+slot, or the blocks it spans, ``ceil(tail_tokens / block_size)``; ``fingerprint`` is the
 producer's key namespace (model, dtype, layout, block and chunk size, TP
 size, ...). The consumer refuses a hand-off whose fingerprint differs from its
 own, naming every difference (:func:`mismatches`).
@@ -31,7 +33,7 @@ from typing import Any
 
 from tiercache.keys import Namespace
 
-PARAMS_VERSION = 3
+PARAMS_VERSION = 4  # 4: tail_tokens (a consumer of version 3 refuses, and recomputes)
 MODES = ("via_host", "direct")
 
 
@@ -71,9 +73,19 @@ class Handoff:
     fingerprint: dict[str, Any]
     tp_size: int = 1
     mode: str = "via_host"
+    tail_tokens: int = 0  # > 0: the last key is the prompt's partial last chunk, of this many tokens
+
+    @property
+    def full_keys(self) -> tuple[bytes, ...]:
+        """The keys of whole chunks (all but the tail's)."""
+        return self.keys[:-1] if self.tail_tokens else self.keys
+
+    @property
+    def tail_key(self) -> bytes | None:
+        return self.keys[-1] if self.tail_tokens else None
 
     def blocks_of(self, blocks_per_chunk: int) -> list[tuple[int, ...]]:
-        """Mode direct: the producer's blocks of each key."""
+        """Mode direct: the producer's blocks of each key (the tail's: the blocks left over, fewer)."""
         b = self.slots
         return [tuple(b[i * blocks_per_chunk:(i + 1) * blocks_per_chunk]) for i in range(len(self.keys))]
 
@@ -91,6 +103,7 @@ class Handoff:
                 "version": PARAMS_VERSION,
                 "mode": self.mode,
                 "chunk_keys": [k.hex() for k in self.keys],
+                "tail_tokens": self.tail_tokens,
                 "fingerprint": dict(self.fingerprint),
             },
         }
@@ -114,13 +127,19 @@ class Handoff:
             if mode not in MODES:
                 raise HandoffError(f"tiercache.mode: expected one of {MODES}, got {mode!r:.40}")
             slots = tuple(int(s) for s in params["remote_block_ids"])
-            per_key = 1 if mode == "via_host" else (len(slots) // len(keys) if keys else 0)
-            if len(slots) != len(keys) * per_key or any(s < 0 for s in slots) or (keys and per_key < 1):
-                raise HandoffError(f"remote_block_ids: expected {'one slot' if mode == 'via_host' else 'the blocks'}"
-                                   f" per chunk key ({len(keys)} keys), numbers >= 0, got {list(slots)!r:.80}")
             fp = ours["fingerprint"]
             if not isinstance(fp, dict):
                 raise HandoffError("tiercache.fingerprint: not a mapping")
+            tail_tokens = int(ours.get("tail_tokens", 0))
+            chunk_tokens, block_size = int(fp.get("chunk_tokens", 0)), int(fp.get("block_size", 0))
+            if tail_tokens and not (keys and 0 < tail_tokens < chunk_tokens):
+                raise HandoffError(f"tiercache.tail_tokens: expected 1..{chunk_tokens - 1} after a key, "
+                                   f"got {tail_tokens}")
+            expected = _slots_expected(mode, len(keys), tail_tokens, chunk_tokens, block_size)
+            if len(slots) != expected or any(s < 0 for s in slots):
+                raise HandoffError(f"remote_block_ids: expected {'one slot' if mode == 'via_host' else 'the blocks'}"
+                                   f" per chunk key ({len(keys)} keys, {expected} numbers >= 0), "
+                                   f"got {list(slots)!r:.80}")
             port = int(params["remote_port"])
             if not 0 < port < 65536:
                 raise HandoffError(f"remote_port: {port} out of range")
@@ -134,8 +153,21 @@ class Handoff:
                 fingerprint=fp,
                 tp_size=int(params.get("tp_size", 1)),
                 mode=mode,
+                tail_tokens=tail_tokens,
             )
         except HandoffError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise HandoffError(f"malformed tiercache hand-off parameters: {type(exc).__name__}: {exc}") from exc
+
+
+def _slots_expected(mode: str, keys: int, tail_tokens: int, chunk_tokens: int, block_size: int) -> int:
+    """How many ``remote_block_ids`` a hand-off of ``keys`` keys names (HandoffError: a bad fingerprint)."""
+    if mode == "via_host":
+        return keys
+    if block_size <= 0 or chunk_tokens <= 0 or chunk_tokens % block_size:
+        raise HandoffError(f"tiercache.fingerprint: chunk_tokens {chunk_tokens} is not a multiple of "
+                           f"block_size {block_size}")
+    if not tail_tokens:
+        return keys * (chunk_tokens // block_size)
+    return (keys - 1) * (chunk_tokens // block_size) + -(-tail_tokens // block_size)

@@ -102,6 +102,25 @@ class KeySpace:
         ]
 
 
+    def tail_key(self, parent_hash: bytes, first_token: int, tokens: Sequence[int], extra: bytes = b"",
+                 group_idx: int = 0) -> bytes:
+        """Key of a prompt's *partial* last chunk: ``tokens`` from position ``first_token`` on.
+
+        ``parent_hash`` is the engine's chained hash of the block just before
+        ``first_token`` (empty at the start of the sequence), so the key covers
+        every token of the prompt, as a chunk key does; ``extra`` carries what the
+        engine hashes beside the tokens (cache salt, LoRA). Same layout and length
+        as a chunk key (its prefix hash is 32 bytes of BLAKE2b), and never equal to
+        one: the hash is personalised. Used by P/D hand-offs only (tiercache.connector.prompt_tail).
+        """
+        h = hashlib.blake2b(digest_size=32, person=b"tiercache-tail")
+        h.update(len(parent_hash).to_bytes(2, "big") + parent_hash)
+        h.update(first_token.to_bytes(8, "big") + len(tokens).to_bytes(8, "big"))
+        h.update(b"".join(int(t).to_bytes(8, "big", signed=True) for t in tokens))
+        h.update(extra)
+        return self.digest + h.digest() + group_idx.to_bytes(GROUP_IDX_BYTES, "big")
+
+
 def split_key(key: bytes) -> tuple[bytes, bytes, int]:
     """Return (namespace digest, prefix hash, group index) of a key."""
     if len(key) < NAMESPACE_DIGEST_BYTES + GROUP_IDX_BYTES + 1:

@@ -13,8 +13,9 @@ Engines (tiny random-weight Llama, float32), separate processes on loopback:
 * ``consumer`` (kv_consumer, async loads), running at the same time: round 0
   decodes all of A at once (several hand-offs in flight) with the producer's
   parameters: tokens equal the baseline's and its prompt tokens come from the
-  transfer (vLLM's own local-compute count is the partial tail of each prompt,
-  one token for A's prompt of whole chunks).
+  transfer: the chunks and the partial last chunk (the prompt's tail,
+  connector/prompt_tail.py) of three prompts, the whole chunks of the fourth;
+  vLLM's own local-compute count is exactly one token per prompt.
   Nobody reads B: after ``handoff_timeout_s`` the producer's next step expires
   those hand-offs and their chunks are released (held gauge back to 0; in mode
   direct the blocks go back to vLLM: its KV-cache usage returns to 0). Then the
@@ -44,7 +45,7 @@ from tiercache.testing.engine_runner import EngineRun, random_prompts, run_engin
 from .conftest import free_port, tiercache_kv_config
 
 CHUNK = 32  # one engine block
-PROMPT_LEN = 400  # 12 full blocks + 16 tokens the decode engine computes itself
+PROMPT_LEN = 400  # 12 full blocks + a 16-token tail, handed off too: the decode engine computes the last token only
 WHOLE_LEN = 384  # 12 full blocks: all 12 load, the decode engine computes the last token only
 A = random_prompts(3, PROMPT_LEN, seed=51) + random_prompts(1, WHOLE_LEN, seed=54)
 B = random_prompts(2, PROMPT_LEN, seed=52)
@@ -54,8 +55,8 @@ READ_TIMEOUT_S = 3.0
 
 
 def loaded_tokens(prompt: list[int]) -> int:
-    """What the decode engine loads of a prompt: its whole chunks, less the last token when nothing else is left."""
-    return min(len(prompt) // CHUNK * CHUNK, len(prompt) - 1)
+    """What the decode engine loads of a prompt: all of it (chunks and tail) but the last token, vLLM computes it."""
+    return len(prompt) - 1
 
 
 def loaded_chunks(prompts: list[list[int]]) -> int:
@@ -184,10 +185,12 @@ def test_producer_returns_nixl_shaped_params(runs: dict[str, Any]) -> None:
             assert field in params
     for req, prompt in zip(runs["producer_r0"]["requests"], A + B):
         params = req["kv_transfer_params"]
-        assert len(params["tiercache"]["chunk_keys"]) == len(prompt) // CHUNK
+        tail = len(prompt) % CHUNK
+        assert params["tiercache"]["tail_tokens"] == tail
+        assert len(params["tiercache"]["chunk_keys"]) == len(prompt) // CHUNK + (1 if tail else 0)
         assert params["tiercache"]["mode"] == runs["mode"]
         # via_host: one host slot per chunk; direct: the chunk's blocks (one block per chunk here)
-        assert len(params["remote_block_ids"]) == len(prompt) // CHUNK
+        assert len(params["remote_block_ids"]) == len(params["tiercache"]["chunk_keys"])
 
 
 def test_consumer_decodes_token_exact_without_recomputing_the_prompt(runs: dict[str, Any]) -> None:
@@ -197,7 +200,7 @@ def test_consumer_decodes_token_exact_without_recomputing_the_prompt(runs: dict[
     tier = "peer"  # both modes: READ straight into the blocks
     assert sample(r0, "tiercache_hit_tokens_total", f'tier="{tier}"') == sum(loaded_tokens(p) for p in A)
     local = vllm_counter(r0, "prompt_tokens_by_source", "local_compute")
-    assert local == sum(len(p) - loaded_tokens(p) for p in A)  # 3 x 16 tails + 1 last token
+    assert local == len(A)  # the last token of each prompt: nothing else recomputed, tails included
 
 
 def test_read_handoffs_are_released_and_unread_ones_expire(runs: dict[str, Any]) -> None:
@@ -287,7 +290,7 @@ def test_tp2_consumer_decodes_token_exact_from_both_ranks_and_the_producer_lets_
     r0 = consumer["rounds"][0]
     assert sample(r0, "tiercache_hit_tokens_total", 'tier="peer"') == sum(loaded_tokens(p) for p in A)
     local = vllm_counter(r0, "prompt_tokens_by_source", "local_compute")
-    assert local == sum(len(p) - loaded_tokens(p) for p in A)
+    assert local == len(A)
     # both ranks' notices arrived: every hand-off read, nothing held, every block vLLM's again
     assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="read"') == len(A)
     assert sample(r1, "tiercache_pd_handoffs_total", 'outcome="expired"') == 0

@@ -7,7 +7,7 @@ import pytest
 from tiercache.handoff import Handoff, HandoffError, mismatches
 from tiercache.manager import OffloadingManager, TierSpec
 
-FP = {"model": "m", "kv_dtype": "torch.float32", "chunk_tokens": 32}
+FP = {"model": "m", "kv_dtype": "torch.float32", "chunk_tokens": 32, "block_size": 16}  # 2 blocks a chunk
 
 
 def key(i: int) -> bytes:
@@ -87,6 +87,30 @@ def test_direct_params_name_each_chunks_blocks() -> None:
     params["tiercache"]["mode"] = "teleport"
     with pytest.raises(HandoffError, match="tiercache.mode"):
         Handoff.from_params(params)
+
+
+@pytest.mark.parametrize("mode", ["via_host", "direct"])
+def test_a_prompt_tail_travels_last_with_its_slot_or_fewer_blocks(mode: str) -> None:
+    """The tail key is the last key; via_host: one slot; direct: the blocks its tokens span (5 tokens: 1 of 2)."""
+    slots = (7, 3) if mode == "via_host" else (4, 5, 9)
+    h = Handoff("eng", "127.0.0.1", 5700, "req-3", (key(1), key(2)), slots, FP, mode=mode, tail_tokens=5)
+    params = h.to_params()
+    assert params["tiercache"]["tail_tokens"] == 5
+    back = Handoff.from_params(params)
+    assert back == h and back.full_keys == (key(1),) and back.tail_key == key(2)
+    if mode == "direct":
+        assert back.blocks_of(2) == [(4, 5), (9,)]
+        params["remote_block_ids"] = [4, 5, 9, 10]  # a 5-token tail spans one 16-token block, not two
+        with pytest.raises(HandoffError, match="remote_block_ids"):
+            Handoff.from_params(params)
+    for bad in (32, -1):  # a tail is less than a chunk
+        params = h.to_params()
+        params["tiercache"]["tail_tokens"] = bad
+        with pytest.raises(HandoffError, match="tail_tokens"):
+            Handoff.from_params(params)
+    no_tail = Handoff("eng", "127.0.0.1", 5700, "req-4", (key(1),), slots[:1 if mode == "via_host" else 2], FP,
+                      mode=mode)
+    assert no_tail.full_keys == (key(1),) and no_tail.tail_key is None
 
 
 # ------------------------------------------------------------- producer, mode direct
