@@ -41,7 +41,10 @@ of the same size, with plain NIXL, from a process holding plain memory on the
 producer's core (``tiercache.testing.raw_nixl``, through the engine runner's
 ``worker_call`` rounds). That ceiling shares the connector's process, core,
 memory pressure and moment in the run, so the ratio to it charges nothing of
-the engine's surroundings to the data path. Both ratios are printed.
+the engine's surroundings to the data path. Both ratios are printed, and,
+against the in-engine ceiling, also hand-off by hand-off (each request's READ
+over the raw READ made right after it; median and range), which a slow patch
+of the run cannot tilt the way it tilts a sum over the run.
 Raw NIXL is measured twice: with UCX's peer-failure handling (NIXL's default,
 what NixlConnector runs; tcp on one host) and with error handling ``none``
 (what tiercache runs by default; UCX may then use one-sided CMA/shared memory).
@@ -74,6 +77,14 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_info, print_table, repeat_nixl_transfer, write_result  # noqa: E402
+from bench.pd_figures import (  # noqa: E402
+    first_tokens_match,
+    in_engine_raw,
+    median_range,
+    paired_ratios,
+    transfer_gbps,
+    ttfts,
+)
 from tiercache.testing.engine_runner import EngineRun, random_prompts  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
 from tiercache.testing.raw_nixl import post_transfer, raw_agent, serve_target, slot_reads  # noqa: E402
@@ -237,75 +248,6 @@ def run_pair(kind: str, model: Path, work: Path, args: argparse.Namespace,
     return {"producer": by_len, "consumer": result, "consumer_rounds": consumer_rounds}
 
 
-# --------------------------------------------------------------------------- figures
-def ttfts(pair: dict[str, Any], phase: str, n: int) -> list[float]:
-    out: list[float] = []
-    for spec, rnd in zip(pair["consumer_rounds"], pair["consumer"]["rounds"]):
-        if spec.get("phase") == phase and spec.get("length") == n:
-            out += [r["ttft_s"] for r in rnd["requests"] if r["ttft_s"] is not None]
-    return out
-
-
-def first_tokens_match(pair: dict[str, Any], n: int) -> bool:
-    want = [r["output_token_ids"][:1] for r in pair["producer"][n]["requests"]]
-    got = [r["output_token_ids"][:1]
-           for spec, rnd in zip(pair["consumer_rounds"], pair["consumer"]["rounds"])
-           if spec.get("phase") == "decode" and spec.get("length") == n for r in rnd["requests"]]
-    return got == want
-
-
-def in_engine_raw(pair: dict[str, Any]) -> dict[str, Any] | None:
-    """The raw READs the consumer's worker made between its requests: GB/s over all, and each READ's ms."""
-    moved, secs, each_ms = 0, 0.0, []
-    for spec, rnd in zip(pair["consumer_rounds"], pair["consumer"]["rounds"]):
-        if spec.get("phase") == "raw":
-            size = spec["kwargs"]["chunk_bytes"] * spec["kwargs"]["chunks"]
-            for times in rnd["results"]:  # one list per worker
-                moved += size * len(times)
-                secs += sum(times)
-                each_ms += [t * 1e3 for t in times]
-    if not secs:
-        return None
-    return {"gbps": moved / secs / 1e9, "read_ms": each_ms}
-
-
-def metric_sum(samples: dict[str, Any], name: str, *label_parts: str) -> float:
-    total = 0.0
-    for key, value in samples.items():
-        if key.split("{")[0] == name and all(p in key for p in label_parts):
-            total += float(value["sum"] if isinstance(value, dict) else value)
-    return total
-
-
-def transfer_gbps(kind: str, pair: dict[str, Any]) -> dict[str, float | None]:
-    """The consumer's KV transfer figures, from the connector's own metrics.
-
-    ``gbps``: bytes / time of the NIXL transfers (tiercache: descriptors built to
-    tags checked, ``tiercache_transfer_*{path="peer_*_to_device"}``; NixlConnector:
-    ``vllm:nixl_xfer_time_seconds``, NIXL's telemetry from post to completion),
-    ``bytes``; ``data_gbps``: the data READs alone (tiercache:
-    ``path="peer_data_read"``, the READ's handle made, posted, completed and
-    released; NixlConnector: the same as ``gbps``); tiercache also ``job_gbps``,
-    its ``host_to_device`` load jobs (the whole job, a first handshake included).
-    """
-    last = pair["consumer"]["rounds"][-1]
-    if kind == "nixl":
-        samples = last.get("metrics") or {}
-        moved = metric_sum(samples, "vllm:nixl_bytes_transferred")
-        secs = metric_sum(samples, "vllm:nixl_xfer_time_seconds")
-        value = moved / secs / 1e9 if secs > 0 else None
-        return {"gbps": value, "bytes": moved, "data_gbps": value, "job_gbps": None}  # NIXL's own telemetry
-    samples = last.get("tiercache_metrics") or {}
-
-    def gbps(path: str) -> float | None:
-        secs = metric_sum(samples, "tiercache_transfer_seconds_sum", f'path="{path}"')
-        return metric_sum(samples, "tiercache_transfer_bytes_total", f'path="{path}"') / secs / 1e9 if secs else None
-
-    path = "peer_device_to_device" if kind == "tiercache-direct" else "peer_host_to_device"
-    return {"gbps": gbps(path), "bytes": metric_sum(samples, "tiercache_transfer_bytes_total", f'path="{path}"'),
-            "data_gbps": gbps("peer_data_read"), "job_gbps": gbps("host_to_device")}
-
-
 # ---------------------------------------------------------------------------- raw NIXL
 def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float, error_handling: str,
                   handoffs: int = 1) -> float:
@@ -439,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
             transfer[f"{kind}_vs_in_engine_raw"] = figures["gbps"] / inside["gbps"] if figures["gbps"] else None
             transfer[f"{kind}_data_vs_in_engine_raw"] = (figures["data_gbps"] / inside["gbps"]
                                                          if figures["data_gbps"] else None)
+            paired = paired_ratios(kind, pairs[kind])
+            transfer[f"{kind}_paired_vs_in_engine_raw"] = paired["whole"]
+            transfer[f"{kind}_paired_data_vs_in_engine_raw"] = paired["data"]
 
     ours = [k for k in pairs if k != "nixl"]
     print_table(["prompt", *[f"{k} TTFT ms" for k in pairs], *[f"{k} / nixl" for k in ours],
@@ -459,14 +404,17 @@ def main(argv: list[str] | None = None) -> int:
                 title=f"KV transfer throughput ({raw_chunks} chunks x {chunk_bytes >> 10} KiB per hand-off)")
     if args.in_engine_raw:
         print_table(["connector", "its KV transfer GB/s", "raw READ in its decode worker GB/s", "ratio",
-                     "its data READs alone: ratio", "raw READ ms (median / max)"],
+                     "its data READs alone: ratio", "raw READ ms (median / max)",
+                     "per hand-off: ratio, median (min-max)", "per hand-off: data READs alone"],
                     [[k, f"{transfer[f'{k}_gbps'] or float('nan'):.2f}",
                       f"{transfer.get(f'{k}_in_engine_raw_gbps') or float('nan'):.2f}",
                       f"{transfer.get(f'{k}_vs_in_engine_raw') or float('nan'):.2f}",
                       f"{transfer.get(f'{k}_data_vs_in_engine_raw') or float('nan'):.2f}",
                       (f"{statistics.median(transfer[f'{k}_in_engine_raw_read_ms']):.2f} / "
                        f"{max(transfer[f'{k}_in_engine_raw_read_ms']):.2f}")
-                      if transfer.get(f"{k}_in_engine_raw_read_ms") else "-"] for k in pairs],
+                      if transfer.get(f"{k}_in_engine_raw_read_ms") else "-",
+                      median_range(transfer.get(f"{k}_paired_vs_in_engine_raw") or []),
+                      median_range(transfer.get(f"{k}_paired_data_vs_in_engine_raw") or [])] for k in pairs],
                     title="KV transfer vs raw NIXL READs made inside the same decode worker, between its requests "
                     "(same sizes, same UCX error mode)")
     path = write_result("pd", {"rows": rows, "transfer": transfer}, vars(args),
