@@ -71,7 +71,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -87,7 +86,7 @@ from bench.pd_figures import (  # noqa: E402
 )
 from tiercache.testing.engine_runner import EngineRun, random_prompts  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
-from tiercache.testing.raw_nixl import post_transfer, raw_agent, serve_target, slot_reads  # noqa: E402
+from tiercache.testing.raw_nixl import reader_end, serve_target, slot_reads  # noqa: E402
 from tiercache.testing.random_llama import make_model_dir  # noqa: E402
 
 KINDS = ("tiercache", "tiercache-direct", "nixl")
@@ -266,13 +265,8 @@ def raw_nixl_gbps(chunk_bytes: int, chunks: int, seconds: float, error_handling:
     proc.start()
     try:
         metadata, remote_addr = parent.recv()
-        agent = raw_agent("bench-pd-raw-reader", error_handling)
-        local = np.ones(handoff_bytes * handoffs, dtype=np.uint8)  # touched: no first-touch faults in the READs
-        agent.register_memory([(int(local.ctypes.data), local.nbytes, 0, "")], "DRAM")
-        peer = agent.add_remote_agent(metadata)
+        agent, local, peer = reader_end("bench-pd-raw-reader", error_handling, handoff_bytes * handoffs, metadata)
         handles = slot_reads(agent, peer, int(local.ctypes.data), remote_addr, chunk_bytes, chunks, handoffs)
-        for handle in handles:  # one pass first: connections, page tables
-            post_transfer(agent, handle)
         gbps = repeat_nixl_transfer(agent, handles, handoff_bytes, seconds)
         for handle in handles:
             agent.release_xfer_handle(handle)

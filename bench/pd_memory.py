@@ -44,7 +44,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_info, print_table, write_result  # noqa: E402
-from tiercache.testing.raw_nixl import post_transfer, raw_agent, slot_reads  # noqa: E402
+from tiercache.testing.raw_nixl import (  # noqa: E402
+    post_transfer,
+    progress_until_stopped,
+    raw_agent,
+    reader_end,
+    slot_reads,
+)
 
 KINDS = ("numpy", "host slab", "torch collapsed", "torch small pages")
 DESCRIPTORS = 8
@@ -80,9 +86,7 @@ def serve(conn: Connection, nbytes: int, cpu: int) -> None:
     for buf in buffers.values():
         agent.register_memory([(int(buf.ctypes.data), buf.nbytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), {k: int(b.ctypes.data) for k, b in buffers.items()}, collapsed))
-    while not conn.poll(0.0005):
-        agent.get_new_notifs()
-    conn.recv()
+    progress_until_stopped(agent, conn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,15 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     metadata, addrs, collapsed = ours.recv()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {1})
-    agent = raw_agent(f"pd-memory-consumer-{os.getpid()}", "none")
-    local = np.ones(handoff * args.handoffs, dtype=np.uint8)
-    agent.register_memory([(int(local.ctypes.data), local.nbytes, 0, "")], "DRAM")
-    peer = agent.add_remote_agent(metadata)
+    agent, local, peer = reader_end(f"pd-memory-consumer-{os.getpid()}", "none", handoff * args.handoffs, metadata)
     handles = {kind: slot_reads(agent, peer, int(local.ctypes.data), addrs[kind], handoff // DESCRIPTORS,
                                 DESCRIPTORS, args.handoffs) for kind in KINDS}
-    for kind_handles in handles.values():  # untimed: connection set-up, page tables
-        for handle in kind_handles:
-            post_transfer(agent, handle)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
         for kind in KINDS:

@@ -58,9 +58,26 @@ def serve_target(conn: Connection, nbytes: int, error_handling: str, info_file: 
         tmp.write_bytes(pickle.dumps(info))
         os.replace(tmp, info_file)
     conn.send(info[:2])
+    progress_until_stopped(agent, conn)
+
+
+def progress_until_stopped(agent: Any, conn: Connection) -> None:
+    """A target's loop: progress ``agent`` until ``conn`` says stop (as a tiercache producer does between
+    steps; needed for UCX error mode peer)."""
     while not conn.poll(0.0005):
-        agent.get_new_notifs()  # progress, as a tiercache producer does between steps (needed for error mode peer)
+        agent.get_new_notifs()
     conn.recv()
+
+
+def reader_end(name: str, error_handling: str, nbytes: int, metadata: bytes) -> tuple[Any, np.ndarray, str]:
+    """A reading agent, an ``nbytes`` buffer registered with it and the target's agent added: (agent, buffer, peer).
+
+    The buffer is touched (ones), so the READs into it pay no first-touch faults.
+    """
+    agent = raw_agent(name, error_handling)
+    local = np.ones(nbytes, dtype=np.uint8)
+    agent.register_memory([(int(local.ctypes.data), nbytes, 0, "")], "DRAM")
+    return agent, local, agent.add_remote_agent(metadata)
 
 
 @dataclass
@@ -83,10 +100,9 @@ def _reader(info_file: str, error_handling: str) -> _Reader:
     key = (info_file, error_handling)
     if key not in _READERS:
         metadata, remote_addr, nbytes = pickle.loads(Path(info_file).read_bytes())
-        agent = raw_agent(f"tiercache-raw-reader-{os.getpid()}-{len(_READERS)}", error_handling)
-        local = np.ones(nbytes, dtype=np.uint8)  # touched: no first-touch faults in the READs
-        agent.register_memory([(int(local.ctypes.data), nbytes, 0, "")], "DRAM")
-        _READERS[key] = _Reader(agent, agent.add_remote_agent(metadata), local, remote_addr, nbytes)
+        agent, local, peer = reader_end(f"tiercache-raw-reader-{os.getpid()}-{len(_READERS)}", error_handling,
+                                        nbytes, metadata)
+        _READERS[key] = _Reader(agent, peer, local, remote_addr, nbytes)
     return _READERS[key]
 
 
@@ -95,6 +111,7 @@ def slot_reads(agent: Any, peer: str, local_addr: int, remote_addr: int, chunk_b
     """One prepared READ per hand-off-sized slot: slot ``s`` is ``chunks`` descriptors of ``chunk_bytes``.
 
     Slot ``s`` starts ``s * chunks * chunk_bytes`` into both buffers (registered with ``agent``).
+    Each is posted once, untimed, before it is returned (connection set-up, page tables).
     """
     size, handles = chunk_bytes * chunks, []
     for slot in range(slots):
@@ -102,6 +119,8 @@ def slot_reads(agent: Any, peer: str, local_addr: int, remote_addr: int, chunk_b
         mine = agent.get_xfer_descs([(local_addr + o, chunk_bytes, 0) for o in offsets], "DRAM")
         theirs = agent.get_xfer_descs([(remote_addr + o, chunk_bytes, 0) for o in offsets], "DRAM")
         handles.append(agent.initialize_xfer("READ", mine, theirs, peer))
+    for handle in handles:
+        post_transfer(agent, handle)
     return handles
 
 
@@ -121,11 +140,8 @@ def _handles(reader: _Reader, chunk_bytes: int, chunks: int) -> list[Any]:
         slots = reader.nbytes // (chunk_bytes * chunks)
         if slots < 1:
             raise ValueError(f"target holds {reader.nbytes} bytes, less than one READ of {chunks} x {chunk_bytes}")
-        handles = slot_reads(reader.agent, reader.peer, int(reader.local.ctypes.data), reader.remote_addr,
-                             chunk_bytes, chunks, slots)
-        for handle in handles:  # one untimed pass: connection set-up, page tables
-            post_transfer(reader.agent, handle)
-        reader.handles[key] = handles
+        reader.handles[key] = slot_reads(reader.agent, reader.peer, int(reader.local.ctypes.data),
+                                         reader.remote_addr, chunk_bytes, chunks, slots)
     return reader.handles[key]
 
 
