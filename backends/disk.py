@@ -133,6 +133,7 @@ class DiskBackend(DiskIndex, Backend):
 
     name = "disk"
     settings_model = DiskSettings
+    verifies_integrity = True  # aligned frames, checked on every load
 
     def __init__(self, settings: DiskSettings, context: BackendContext) -> None:
         _check_context(context)

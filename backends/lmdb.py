@@ -154,6 +154,7 @@ class LMDBBackend(Backend):
 
     name = "lmdb"
     settings_model = LMDBSettings
+    verifies_integrity = True  # compact frames, checked on every load
 
     @classmethod
     def footprint(cls, chunk_bytes: int) -> int:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tiercache import faults
+
 
 @dataclass(slots=True)
 class Job:
@@ -69,7 +71,10 @@ class Workers:
 
     def _serve(self, writer: bool) -> None:
         while (job := self._next(writer)) is not None:
-            self._run(job)
+            try:
+                self._run(job)
+            except Exception as exc:  # noqa: BLE001 - the thread outlives any job
+                faults.record(faults.BACKEND_EXCEPTION, exc, where=f"lmdb worker {job.kind}")
 
     def _next(self, writer: bool) -> Job | None:
         with self._cond:

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from tiercache import faults
 from tiercache.backend import JobResult
 from tiercache.backends.nixl_plans import (
     PEER_DEVICE_TO_DEVICE as PEER_DEVICE_TO_DEVICE,  # re-exported: the metric paths
@@ -60,6 +61,7 @@ from tiercache.backends.nixl_plans import (
     IncompatibleBlocks,
     ReadPlan,
     block_plan,
+    head_plan,
     slot_plan,
 )
 from tiercache.backends.nixl_read import TagMirror, read_to_completion, thread_schedstat
@@ -67,6 +69,8 @@ from tiercache.device import CopySegment
 from tiercache.layout import block_runs
 from tiercache.pd_blocks import BlockRegions
 from tiercache.pd_channel import TAG_BYTES, ChannelError, PeerLink, key_tag, make_agent
+from tiercache.pd_heads import HeadRun, PageHeads, head_runs, readers_of
+from tiercache.shards import ShardError
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,7 @@ class PeerSource:
     host: str
     port: int
     request_id: str
+    tp_size: int = 0  # the producer's TP size (0: ours); another: our heads' sub-runs (tiercache.pd_heads)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class NixlPeerTier:
         self._tags = np.zeros(max(1, max_blocks), dtype=np.uint64)
         self._regs = [self.agent.register_memory([(int(self._tags.ctypes.data), self._tags.nbytes, 0, "")], "DRAM")]
         self.blocks: BlockRegions | None = None
+        # our pages by KV head (set by the worker): producers of another TP size are read head by head
+        self.page_heads: PageHeads | None = None
         self._chunks: dict[bytes, PeerChunk] = {}
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._refused: dict[tuple[str, int], str] = {}
@@ -169,7 +176,7 @@ class NixlPeerTier:
             return False  # the I/O thread is reading
         try:
             sources = {c.source for c in job.chunks.values()}
-            if any((src.host, src.port + self.rank) not in self._links for src in sources):
+            if any((src.host, src.port + p) not in self._links for src in sources for p in self._producer_ranks(src)):
                 return False  # a handshake first: that may wait on the producer
             try:
                 self._finish(self._run_job(job, wait=False))
@@ -221,7 +228,12 @@ class NixlPeerTier:
             if job is None:
                 return
             with self._io_lock:
-                self._finish(self._run_job(job, wait=True))
+                try:
+                    result = self._run_job(job, wait=True)
+                except Exception as exc:  # noqa: BLE001 - the reader outlives anything a peer sends
+                    faults.record(faults.READER_EXCEPTION, exc, where="pd reader")
+                    result = JobResult(job.job_id, (), tuple(job.keys), 0, 0.0)
+                self._finish(result)
 
     def _finish(self, result: JobResult) -> None:
         self.counters["read_chunks"] += len(result.ok_keys)
@@ -250,8 +262,30 @@ class NixlPeerTier:
         per_block = sum(self.blocks.pages) if self.blocks is not None else 0
         return JobResult(job.job_id, tuple(ok), failed, moved * per_block, time.perf_counter() - start)
 
-    def _link(self, src: PeerSource) -> PeerLink:
-        addr = (src.host, src.port + self.rank)
+    def _hetero(self, src: PeerSource) -> bool:
+        return bool(src.tp_size) and (self.page_heads is None or src.tp_size != self.page_heads.tp_size)
+
+    def _runs(self, src: PeerSource) -> list[HeadRun]:
+        """Another TP size: where our heads come from (ChannelError if the pair is refused)."""
+        if self.page_heads is None:
+            raise ChannelError(f"producer TP size {src.tp_size}: this consumer does not know its KV heads")
+        ours = self.page_heads
+        try:
+            return head_runs(ours.total, ours.tp_size, ours.rank, src.tp_size)
+        except ShardError as exc:
+            raise ChannelError(f"producer TP size {src.tp_size}, ours {ours.tp_size}: {exc}") from exc
+
+    def _producer_ranks(self, src: PeerSource) -> list[int]:
+        """The producer ranks this rank reads ``src``'s hand-offs from (the same rank, if the TP sizes are equal)."""
+        if not self._hetero(src):
+            return [self.rank]
+        try:
+            return sorted({run.producer_rank for run in self._runs(src)})
+        except ChannelError:
+            return [self.rank]
+
+    def _link(self, src: PeerSource, producer_rank: int | None = None) -> PeerLink:
+        addr = (src.host, src.port + (self.rank if producer_rank is None else producer_rank))
         if addr in self._refused:
             raise ChannelError(self._refused[addr])
         link = self._links.get(addr)
@@ -293,6 +327,8 @@ class NixlPeerTier:
         start = time.monotonic()
         deadline = start + self.read_timeout_s
         try:
+            if self._hetero(src):
+                return self._read_heads(src, keys, segments, chunks, wait, start, deadline)
             link = self._link(src)
             if self.blocks is None:
                 raise ChannelError("this consumer's KV blocks are not registered")
@@ -328,6 +364,63 @@ class NixlPeerTier:
         except (ChannelError, OSError) as exc:
             self._failed(src, len(keys), start, exc)
             return []
+        except _MustWait:
+            raise
+        except Exception as exc:  # noqa: BLE001 - garbage from a peer (metadata, a plan): its keys fail
+            faults.record(faults.READER_EXCEPTION, exc, where=f"pd reader {src.host}:{src.port}")
+            self._failed(src, len(keys), start, exc)
+            return []
+
+    def _read_heads(self, src: PeerSource, keys: list[bytes], segments: list[CopySegment],
+                    chunks: list[PeerChunk], wait: bool, start: float, deadline: float) -> list[int]:
+        """A producer of another TP size: our heads' sub-runs from each producer rank holding them.
+
+        A chunk arrived when every producer rank's part did (its tag checked on that rank);
+        each producer rank read is told so, with how many of our ranks read it.
+        """
+        runs = self._runs(src)  # ChannelError: this pair is refused
+        ours = self.page_heads
+        assert ours is not None
+        if self.blocks is None:
+            raise ChannelError("this consumer's KV blocks are not registered")
+        try:
+            self.blocks.check_blocks([b for seg in segments for b in seg.block_ids])
+        except ValueError as exc:
+            raise ChannelError(f"our blocks: {exc}") from exc
+        expected = [c.tag or key_tag(k) for k, c in zip(keys, chunks)]
+        arrived: set[int] | None = None
+        links: list[tuple[PeerLink, int]] = []
+        t0 = time.monotonic()
+        for prank in sorted({r.producer_rank for r in runs}):
+            link = self._link(src, prank)
+            try:
+                plan = head_plan(self.blocks, ours, link, [r for r in runs if r.producer_rank == prank],
+                                 segments, chunks, self.chunk_bytes)
+            except IncompatibleBlocks as exc:
+                self._refuse((src.host, src.port + prank), f"producer {link.address} is incompatible: {exc}")
+                raise
+            got, data_bytes, data_secs = self._read_until_tagged(link, plan, expected, deadline, wait)
+            arrived = set(got) if arrived is None else arrived & set(got)
+            links.append((link, prank))
+            if data_bytes:
+                with self._lock:
+                    self._transfers.append((PEER_DATA_READ, data_bytes, data_secs))
+        t1 = time.monotonic()
+        done = sorted(arrived or ())
+        moved = sum(len(segments[i].block_ids) for i in done) * sum(self.blocks.pages)
+        if moved:
+            with self._lock:
+                path = PEER_DEVICE_TO_DEVICE if all(c.slot < 0 for c in chunks) else PEER_HOST_TO_DEVICE
+                self._transfers.append((path, moved, t1 - t0))
+        for link, prank in links:
+            readers = readers_of(ours.total, ours.tp_size, src.tp_size, prank)
+            try:
+                link.notify_read(src.request_id, self.rank, readers)
+            except ChannelError:  # the hold then expires on the producer
+                logger.warning("tiercache P/D: notifying %s failed", link.address, exc_info=True)
+        logger.debug("tiercache P/D: %d/%d chunks from %d producer ranks of TP size %d (ours %d): %.1f ms",
+                     len(done), len(keys), len(links), src.tp_size, ours.tp_size, (t1 - t0) * 1e3)
+        return done
 
     def _read_until_tagged(self, link: PeerLink, plan: ReadPlan, expected: list[int], deadline: float,
                            wait: bool) -> tuple[list[int], int, float]:
@@ -432,7 +525,10 @@ class NixlPeerTier:
         self._drop_link(src)
 
     def _drop_link(self, src: PeerSource) -> None:
-        addr = (src.host, src.port + self.rank)
+        for prank in self._producer_ranks(src):
+            self._drop_one((src.host, src.port + prank))
+
+    def _drop_one(self, addr: tuple[str, int]) -> None:
         link = self._links.pop(addr, None)
         if link is not None:
             for key in [k for k in self._mirrors if k[0] == link.agent_name]:

@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tiercache.device import CopySegment
+from tiercache.layout import region_offsets
 from tiercache.pd_blocks import BlockRegions, paired_descs, plane_descs, slot_descs
 from tiercache.pd_channel import ChannelError, PeerLink
+from tiercache.pd_heads import HeadRun, PageHeads, check_pages, head_descs
 
 if TYPE_CHECKING:
     from tiercache.backends.nixl_peer import PeerChunk
@@ -103,3 +105,83 @@ def block_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegmen
                             [b for i in idx for b in sources[i]])
 
     return ReadPlan(descs, theirs.mem_type, link.block_tags_addr, theirs.num_blocks, sources, PEER_DEVICE_TO_DEVICE)
+
+
+def head_plan(ours: BlockRegions, our_heads: PageHeads, link: PeerLink, runs: Sequence[HeadRun],
+              segments: Sequence[CopySegment], chunks: Sequence[PeerChunk], chunk_bytes: int) -> ReadPlan:
+    """Another TP size (tiercache.pd_heads): our heads' sub-runs of one producer rank's pages.
+
+    ``runs``: the heads this producer rank gives us (:func:`tiercache.pd_heads.head_runs`).
+    Its pages come from its host slots (via_host; planes or slots layout) or its KV blocks
+    (direct), one descriptor per region, page and run of heads. Its pages must be
+    head-major with our bytes per head (:func:`tiercache.pd_heads.check_pages`; else
+    :class:`IncompatibleBlocks`: the peer is refused).
+    """
+    theirs_heads = link.page_heads
+    if theirs_heads is None:
+        raise IncompatibleBlocks(f"producer {link.address} does not describe its KV heads (another TP size)")
+    why = check_pages(our_heads, theirs_heads)
+    if why:
+        raise IncompatibleBlocks(why)
+    if len(ours.pages) != len(our_heads.inner):
+        raise IncompatibleBlocks(f"KV regions: ours {len(ours.pages)}, head layout {len(our_heads.inner)}")
+    their_pages = [inner * len(theirs_heads.heads) for inner in our_heads.inner]
+    per_block = sum(ours.pages)
+    if per_block == 0 or chunk_bytes % per_block:
+        raise ChannelError(f"a {chunk_bytes}-byte chunk is not a whole number of our {per_block}-byte blocks")
+    bpc = chunk_bytes // per_block
+    direct = all(c.slot < 0 for c in chunks)
+    if not direct and not all(c.slot >= 0 for c in chunks):
+        raise ChannelError(f"producer {link.address}: a hand-off mixes host slots and KV blocks")
+    # the producer's page addresses of each chunk's positions, region by region
+    starts: list[list[list[int]]] = []  # per chunk: per region: page addresses
+    if direct:
+        theirs = link.blocks
+        if theirs is None:
+            raise ChannelError(f"producer {link.address} exposes no KV blocks (its pd.mode is not direct)")
+        if list(theirs.pages) != their_pages:
+            raise IncompatibleBlocks(f"KV page bytes per region: producer {list(theirs.pages)[:4]}..., "
+                                     f"expected {their_pages[:4]}... for its {len(theirs_heads.heads)} heads")
+        tag_index: list[list[int]] = []
+        for seg, chunk in zip(segments, chunks):
+            src = list(chunk.blocks[seg.first_block:seg.first_block + len(seg.block_ids)])
+            if len(src) != len(seg.block_ids):
+                raise ChannelError(f"producer {link.address}: hand-off names too few blocks for a chunk")
+            try:
+                theirs.check_blocks(src)
+            except ValueError as exc:
+                raise ChannelError(f"producer {link.address}: {exc}") from exc
+            tag_index.append(src)
+            starts.append([[a + b * s for b in src] for a, s in zip(theirs.addrs, theirs.strides)])
+        tags_addr, tag_count, mem, path = link.block_tags_addr, theirs.num_blocks, theirs.mem_type, PEER_DEVICE_TO_DEVICE
+    else:
+        slots = [c.slot for c in chunks]
+        if any(not 0 <= s < link.num_slots for s in slots):
+            raise ChannelError(f"producer {link.address}: hand-off names a slot outside its {link.num_slots}")
+        if link.slot_bytes != sum(their_pages) * bpc:
+            raise ChannelError(f"producer {link.address}: {link.slot_bytes}-byte slots, expected "
+                               f"{sum(their_pages) * bpc} for its {len(theirs_heads.heads)} heads")
+        planes = link.slot_planes
+        if planes is not None and list(planes.pages) != their_pages:
+            raise IncompatibleBlocks(f"host slab planes: pages {list(planes.pages)[:4]}..., expected {their_pages[:4]}...")
+        offsets = region_offsets(their_pages, bpc)
+        for seg, slot in zip(segments, slots):
+            if seg.first_block < 0 or seg.first_block + len(seg.block_ids) > bpc:
+                raise ChannelError(f"producer {link.address}: positions overflow a {bpc}-block chunk")
+            pos = range(seg.first_block, seg.first_block + len(seg.block_ids))
+            if planes is not None:
+                starts.append([[a + (slot * bpc + p) * s for p in pos] for a, s in zip(planes.addrs, planes.strides)])
+            else:
+                base = link.slab_addr + slot * link.slot_bytes
+                starts.append([[base + off + p * page for p in pos] for off, page in zip(offsets, their_pages)])
+        tag_index = [[s] for s in slots]
+        tags_addr, tag_count, mem, path = link.tags_addr, link.num_slots, "DRAM", PEER_HOST_TO_DEVICE
+    device = (ours.device_id, link.blocks.device_id if direct and link.blocks is not None else 0)
+
+    def descs(idx: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        our_addr = [[ours.addrs[r] + b * ours.strides[r] for i in idx for b in segments[i].block_ids]
+                    for r in range(len(ours.pages))]
+        their_addr = [[a for i in idx for a in starts[i][r]] for r in range(len(ours.pages))]
+        return head_descs(runs, our_heads.inner, our_addr, their_addr, device)
+
+    return ReadPlan(descs, mem, tags_addr, tag_count, tag_index, path)

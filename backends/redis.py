@@ -156,6 +156,7 @@ class RedisBackend(Backend):
     name = "redis"
     settings_model = RedisSettings
     shared = True  # other engines write it too: looked up asynchronously, not owned
+    verifies_integrity = True  # compact frames, checked on every load
 
     @classmethod
     def footprint(cls, chunk_bytes: int) -> int:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from redis.exceptions import RedisClusterException, RedisError
 
+from tiercache import faults
 from tiercache.backends.redis_client import Client, close_client
 from tiercache.counters import Counters
 
@@ -206,7 +207,10 @@ class Lane:
 
     def _serve(self) -> None:
         while (job := self._next()) is not None:
-            self._run(job)
+            try:
+                self._run(job)
+            except Exception as exc:  # noqa: BLE001 - the lane outlives any job (its result is lost)
+                faults.record(faults.BACKEND_EXCEPTION, exc, where=f"redis lane {job.kind}")
 
     def _next(self) -> Job | None:
         with self._cond:

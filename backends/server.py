@@ -50,6 +50,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import Field, SecretStr, field_validator
 
+from tiercache import faults
 from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
 from tiercache.config import ByteSize
 from tiercache.server import protocol as p
@@ -317,27 +318,34 @@ class _Worker:
         )
 
     def _run(self) -> None:
-        backend = self.backend
         while True:
-            item = backend._queue.get()
+            item = self.backend._queue.get()
             if item is None:
                 return
-            if isinstance(item, _Call):
-                if item.future.set_running_or_notify_cancel():
-                    try:
-                        item.future.set_result(self._with_connection(item.fn))
-                    except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
-                        item.future.set_exception(exc)
-                continue
-            part = item
             try:
-                ok = self._with_connection(lambda c, part=part: self._run_part(c, part))
-            except (OSError, p.ProtocolError, p.RemoteError):
-                ok = [False] * len(part.indices)  # counted and logged by _with_connection
-            except Exception:
-                logger.exception("server tier %s: a request failed", backend.context.tier_name)
-                ok = [False] * len(part.indices)
-            backend._part_done(part, ok)
+                self._serve(item)
+            except Exception as exc:  # noqa: BLE001 - the I/O thread outlives anything the server sends
+                faults.record(faults.BACKEND_EXCEPTION, exc, where=f"server tier {self.backend.context.tier_name}")
+
+    def _serve(self, item: _Part | _Call) -> None:
+        """One queued request: a synchronous call, or a part of a job (always reported)."""
+        backend = self.backend
+        if isinstance(item, _Call):
+            if item.future.set_running_or_notify_cancel():
+                try:
+                    item.future.set_result(self._with_connection(item.fn))
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
+                    item.future.set_exception(exc)
+            return
+        part = item
+        try:
+            ok = self._with_connection(lambda c, part=part: self._run_part(c, part))
+        except (OSError, p.ProtocolError, p.RemoteError):
+            ok = [False] * len(part.indices)  # counted and logged by _with_connection
+        except Exception:
+            logger.exception("server tier %s: a request failed", backend.context.tier_name)
+            ok = [False] * len(part.indices)
+        backend._part_done(part, ok)
 
     def _with_connection(self, fn: Callable[[ServerClient], T]) -> T:
         self._connect()

@@ -14,6 +14,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, UniformType
 
 from tiercache.config import ConfigError, TierCacheConfig
 from tiercache.keys import KeySpace, Namespace
+from tiercache.shards import ShardSet, group_shards, head_shards, rank_shards
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,12 @@ class EngineGeometry:
     world_size: int
     bytes_per_block: int  # one engine block, all layers, this worker's shard
     hash_algo: str
+    kv_heads: int = 0  # global KV heads (MLA: 1, its latent is replicated); 0: unknown
+    local_kv_heads: int = 1  # the KV heads one TP rank's pages hold
+    pp_size: int = 1
+    # content identities (connector/model_identity.py), set at start-up by namespace_check.with_identity
+    model_identity: str = ""
+    attention_identity: str = ""
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> "EngineGeometry":
@@ -61,7 +68,32 @@ class EngineGeometry:
             world_size=parallel.world_size,
             bytes_per_block=sum(s.page_size_bytes for s in layer_specs),
             hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
+            kv_heads=_global_kv_heads(vllm_config),
+            local_kv_heads=int(getattr(layer_specs[0], "num_kv_heads", 1)),
+            pp_size=parallel.pipeline_parallel_size,
         )
+
+    def shard_set(self, tp_rank: int, pp_rank: int = 0, head_sliceable: bool = True) -> ShardSet:
+        """A worker's store shards (tiercache.shards): by head, or by rank if pages cannot be cut."""
+        if self.kv_heads > 0 and head_sliceable:
+            return head_shards(self.kv_heads, self.tp_size, tp_rank, pp_rank, self.pp_size)
+        return rank_shards(self.tp_size, tp_rank, pp_rank, self.pp_size)
+
+    def group_shard_set(self) -> ShardSet:
+        """The scheduler's: a chunk is in a lower tier when every head's shard is."""
+        if self.kv_heads > 0:
+            return group_shards(self.kv_heads, self.pp_size)
+        return rank_shards(self.tp_size, 0, 0, self.pp_size)
+
+
+def _global_kv_heads(vllm_config: VllmConfig) -> int:
+    model = vllm_config.model_config
+    if getattr(model, "use_mla", False):
+        return 1
+    try:
+        return int(model.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001 - an unusual model config: fall back to rank shards
+        return 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +119,14 @@ class ChunkGeometry:
             )
         return cls(engine, config.chunk_tokens, bpc, slot_bytes, host_slots)
 
+    @property
+    def shard_bytes(self) -> int:
+        """One store shard: one KV head's bytes of a chunk (a rank's whole chunk for rank shards)."""
+        e = self.engine
+        if e.kv_heads > 0 and self.slot_bytes % e.local_kv_heads == 0:
+            return self.slot_bytes // e.local_kv_heads
+        return self.slot_bytes
+
     def keyspace(self, config: TierCacheConfig) -> KeySpace:
         e = self.engine
         namespace = Namespace(
@@ -100,5 +140,10 @@ class ChunkGeometry:
             hash_algo=e.hash_algo,
             tenant_salt=config.namespace_salt,
             process_nonce=Namespace.hash_algo_nonce(e.hash_algo),
+            kv_heads=e.kv_heads,
+            pp_size=e.pp_size,
+            shard_bytes=self.shard_bytes,
+            model_identity=e.model_identity,
+            attention_identity=e.attention_identity,
         )
         return KeySpace(namespace, self.blocks_per_chunk)

@@ -4,6 +4,9 @@ Scheduler side: how many chunks each lower tier holds (its byte budget over the
 backend's per-chunk footprint), and, at start-up, which chunks a persistent tier
 still holds from an earlier run (``Backend.recover``, adopted into the manager).
 Worker side: the backend objects themselves, one per lower tier per worker.
+Every backend is wrapped in a :class:`~tiercache.sharded_backend.ShardedBackend`:
+the medium holds store shards named by KV head (tiercache/shards.py), so TP
+ranks never read each other's bytes and engines of any TP size share chunks.
 A tier that cannot be opened (an unwritable directory, a bad option) is a
 ConfigError at start-up, naming the tier.
 """
@@ -17,6 +20,8 @@ from tiercache.config import ConfigError, TierCacheConfig
 from tiercache.directory import TierSpec
 from tiercache.manager import OffloadingManager
 from tiercache.plugins import backend_class, create_backend
+from tiercache.sharded_backend import ShardedBackend
+from tiercache.shards import HEAD_SHARD, HeadSlicer, ShardSet
 
 from tiercache.connector.engine_info import ChunkGeometry
 
@@ -37,7 +42,8 @@ def lower_tier_specs(config: TierCacheConfig, geometry: ChunkGeometry) -> list[T
     specs: list[TierSpec] = []
     for index, tier in enumerate(config.tiers[1:], start=1):
         cls = backend_class(tier.backend)
-        footprint = cls.footprint(geometry.slot_bytes)
+        shards = geometry.engine.shard_set(0)
+        footprint = max(1, shards.shard_count) * cls.footprint(_value_bytes(geometry, shards))
         slots = tier.capacity // footprint
         if slots < 1:
             raise ConfigError(
@@ -49,11 +55,17 @@ def lower_tier_specs(config: TierCacheConfig, geometry: ChunkGeometry) -> list[T
     return specs
 
 
-def _context(tier_name: str, capacity: int, digest: bytes, geometry: ChunkGeometry, rank: int) -> BackendContext:
+def _value_bytes(geometry: ChunkGeometry, shards: ShardSet) -> int:
+    """Bytes of one value on the medium: a head shard, or (rank shards) a rank's whole chunk."""
+    return geometry.shard_bytes if shards.kind == HEAD_SHARD and not shards.ignore_rank else geometry.slot_bytes
+
+
+def _context(tier_name: str, capacity: int, digest: bytes, geometry: ChunkGeometry, rank: int,
+             shards: ShardSet) -> BackendContext:
     return BackendContext(
         tier_name=tier_name,
         namespace=digest,
-        chunk_bytes=geometry.slot_bytes,
+        chunk_bytes=_value_bytes(geometry, shards),
         capacity_bytes=capacity,
         rank=rank,
         world_size=geometry.engine.world_size,
@@ -61,16 +73,19 @@ def _context(tier_name: str, capacity: int, digest: bytes, geometry: ChunkGeomet
 
 
 def make_backends(
-    config: TierCacheConfig, geometry: ChunkGeometry, digest: bytes, rank: int, shared_only: bool = False
+    config: TierCacheConfig, geometry: ChunkGeometry, digest: bytes, rank: int, shared_only: bool = False,
+    shards: ShardSet | None = None, slicer: HeadSlicer | None = None,
 ) -> dict[str, Backend]:
+    """One wrapped backend per lower tier. ``shards``: the store shards this process reads and
+    writes (default: rank ``rank``'s head shards); ``slicer`` cuts them (workers only)."""
+    shards = shards if shards is not None else geometry.engine.shard_set(rank)
     backends: dict[str, Backend] = {}
     for index, tier in enumerate(config.tiers[1:], start=1):
         if shared_only and not backend_class(tier.backend).shared:
             continue
         try:
-            backends[tier.name] = create_backend(
-                tier, _context(tier.name, tier.capacity, digest, geometry, rank), index
-            )
+            inner = create_backend(tier, _context(tier.name, tier.capacity, digest, geometry, rank, shards), index)
+            backends[tier.name] = ShardedBackend(inner, shards, slicer)
         except ConfigError:
             raise
         except Exception as exc:

@@ -8,6 +8,7 @@ jobs, summed over the workers of a TP group by ``aggregate``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -44,6 +45,12 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     direct_holds: dict[str, DirectHold] = field(default_factory=dict)
     direct_unmarks: list[str] = field(default_factory=list)
     direct_released: list[str] = field(default_factory=list)
+    # async loads that failed before a job existed (an exception at planning): the worker
+    # reports them finished at once (their blocks are in invalid_block_ids), so none waits forever
+    failed_recvs: list[str] = field(default_factory=list)
+    # False while the scheduler waits for the workers' identities in their step reports
+    # (connector/namespace_check.py, the fallback when vLLM's start-up handshake did not bring them)
+    namespace_settled: bool = True
 
 
 @dataclass
@@ -65,6 +72,10 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     blocks_released: dict[str, set[int]] = field(default_factory=dict)
     # P/D consumer: its NIXL READs from producers, (metric path, bytes, seconds) each
     transfers: list[tuple[str, int, float]] = field(default_factory=list)
+    # faults the worker's process contained since its last report, by reason (tiercache/faults.py)
+    faults: dict[str, int] = field(default_factory=dict)
+    # (pp_rank, tp_rank) -> namespace_check.WorkerIdentity, sent only while the scheduler asks for it
+    namespace_reports: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def add(self, job_id: int, failed_keys: tuple[bytes, ...], num_bytes: int, secs: float) -> None:
         self.done[job_id] = JobReport(1, set(failed_keys), num_bytes, secs)
@@ -73,6 +84,9 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, TierCacheWorkerMetadata)
         _merge_ranks(self.handoffs_read, other.handoffs_read)
         self.transfers += other.transfers
+        for reason, n in other.faults.items():
+            self.faults[reason] = self.faults.get(reason, 0) + n
+        self.namespace_reports.update(other.namespace_reports)
         _merge_ranks(self.blocks_released, other.blocks_released)
         for job_id, rep in other.done.items():
             mine = self.done.get(job_id)

@@ -57,10 +57,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk, PeerSource
 from tiercache.config import PDConfig
-from tiercache.handoff import Handoff, HandoffError, fingerprint, mismatches
+from tiercache.handoff import Handoff, HandoffError, fingerprint
 from tiercache.keys import KeySpace
 from tiercache.manager import OffloadingManager
 from tiercache.pd_channel import key_tag
+from tiercache.pd_heads import tp_mismatches
 
 from tiercache.connector.block_pins import BlockPins
 from tiercache.connector.prompt_tail import PromptTail, prompt_tail
@@ -340,7 +341,10 @@ class PDScheduler:
             return
         if handoff is None:
             return
-        diff = mismatches(self.fingerprint, handoff.fingerprint)
+        # another TP size is accepted when only it differs (tiercache.pd_heads: head-split reads)
+        diff = tp_mismatches(self.fingerprint, handoff.fingerprint)
+        if handoff.tp_size != self.tp_size and not diff and handoff.fingerprint.get("tp_size") != handoff.tp_size:
+            diff = [f"tp_size: params {handoff.tp_size}, fingerprint {handoff.fingerprint.get('tp_size')!r}"]
         if diff:
             logger.error("tiercache P/D: refusing the hand-off of request %s from %s (%s:%d): "
                          "incompatible peer: %s; recomputing", request.request_id, handoff.engine_id,
@@ -363,7 +367,8 @@ class PDScheduler:
                 logger.warning("tiercache P/D: request %s: the producer's prompt tail does not match this "
                                "prompt's; its %d tokens are recomputed", request.request_id, handoff.tail_tokens)
                 offered.pop()
-        src = PeerSource(handoff.host, handoff.port, handoff.request_id)
+        src = PeerSource(handoff.host, handoff.port, handoff.request_id,
+                         handoff.tp_size if handoff.tp_size != self.tp_size else 0)
         self.manager.learn(PEER_TIER, offered)
         if handoff.mode == "direct":
             for key, blocks in zip(offered, handoff.blocks_of(self.blocks_per_chunk)):

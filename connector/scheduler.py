@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tiercache import faults
 from tiercache.config import TierCacheConfig
 from tiercache.device import CopySegment
 from tiercache.events import ChunkEvent
@@ -34,6 +35,7 @@ from tiercache.connector.block_pins import VllmBlockPins
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PDScheduler, pd_settings
+from tiercache.connector.scheduler_faults import SchedulerFaults
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -62,7 +64,7 @@ class _JobRecord:
     failed: set[bytes] = field(default_factory=set)
 
 
-class TierCacheScheduler:
+class TierCacheScheduler(SchedulerFaults):
     def __init__(
         self,
         config: TierCacheConfig,
@@ -94,7 +96,9 @@ class TierCacheScheduler:
         self._step_deletes: dict[str, list[bytes]] = {}
         for tier_name, extra in recover_lower_tiers(config, geometry, self.keys.digest, self.manager).items():
             self._step_deletes.setdefault(tier_name, []).extend(extra)
-        shared = make_backends(config, geometry, self.keys.digest, rank=0, shared_only=True)
+        # a chunk counts as held by a shared tier when every head's store shard is there
+        shared = make_backends(config, geometry, self.keys.digest, rank=0, shared_only=True,
+                               shards=geometry.engine.group_shard_set())
         self._shared: SharedLookup | None = SharedLookup(shared) if shared else None
         self.metrics = metrics or TierCacheMetrics()
         self.metrics.label(self.metrics.capacity_bytes, host.name).set(
@@ -108,6 +112,7 @@ class TierCacheScheduler:
         self._step_loads: list[TransferJobSpec] = []
         self._step_staging: dict[int, tuple[str | None, ...]] = {}
         self._step_invalid: list[int] = []
+        self._step_failed_recvs: list[str] = []  # see SchedulerFaults
         self._kv_cache_manager: KVCacheManager | None = None
         self._counters: dict[str, float] = {}
         self._last_evictions = 0
@@ -296,7 +301,10 @@ class TierCacheScheduler:
             direct_holds=direct_holds,
             direct_unmarks=direct_unmarks,
             direct_released=direct_released,
+            failed_recvs=self._step_failed_recvs,
         )
+        self._step_failed_recvs = []
+        self.metrics.count_faults(faults.take())  # this process's faults (the workers' come in their reports)
         self._step_loads, self._step_staging, self._step_invalid, self._step_deletes = [], {}, [], {}
         self._step_peer_sources = {}
         self._sync_tier_metrics()
@@ -361,6 +369,7 @@ class TierCacheScheduler:
     def update_connector_output(self, worker_meta: TierCacheWorkerMetadata | None) -> None:
         if worker_meta is None:
             return
+        self.metrics.count_faults(worker_meta.faults)
         if self.pd is not None and worker_meta.handoffs_read:
             self.pd.handoffs_read(worker_meta.handoffs_read)
             self._publish_pd_metrics()  # the engine may go idle now: no later step would

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -31,9 +32,13 @@ from tiercache.config import config_from_extra
 from tiercache.metrics import TierCacheMetrics
 
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry
+from tiercache.connector import guard
 from tiercache.connector.events import to_vllm_events
+from tiercache.connector.guard import contained
 from tiercache.connector.logs import adopt_vllm_logging
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.connector.model_identity import model_identity_fields, scheduler_attention_view
+from tiercache.connector.namespace_check import SchedulerGate, WorkerNamespace
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.stats import TierCacheStats
 from tiercache.connector.worker import TierCacheWorker
@@ -93,20 +98,29 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             metrics = TierCacheMetrics(engine_label=str(transfer.engine_id or "0"))
             if self.config.metrics.port is not None:
                 metrics.serve(self.config.metrics.port, self.config.metrics.host)
-            self._scheduler = TierCacheScheduler(self.config, geometry, metrics, kv_role=transfer.kv_role,
-                                                 engine_id=str(transfer.engine_id or "0"))
+            # Built once every worker's identity is in (vLLM's start-up handshake), so that the
+            # namespace covers the KV layout the workers registered (connector/namespace_check.py).
+            self._scheduler = SchedulerGate(  # type: ignore[assignment]
+                self.config, geometry, model_identity_fields(vllm_config),
+                scheduler_attention_view(vllm_config, kv_cache_config),
+                lambda config, geo: TierCacheScheduler(config, geo, metrics, kv_role=transfer.kv_role,
+                                                       engine_id=str(transfer.engine_id or "0")),
+            )
             logger.info(
-                "tiercache: %d-token chunks (%d B), host tier %d chunks, namespace %s",
+                "tiercache: %d-token chunks (%d B), host tier %d chunks",
                 geometry.chunk_tokens,
                 geometry.slot_bytes,
                 geometry.host_slots,
-                self._scheduler.keys.digest.hex(),
             )
         else:
             self._worker = TierCacheWorker(
                 self.config, geometry, kv_cache_config.num_blocks, rank=_worker_rank(),
                 kv_role=transfer.kv_role,
             )
+            # The handshake reaches this connector only when vLLM loaded it directly (a
+            # MultiConnector forwards one connector's): else the step reports carry it.
+            self._namespace = WorkerNamespace(vllm_config, kv_cache_config, model_identity_fields(vllm_config),
+                                              handshake=transfer.kv_connector == type(self).__name__)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -123,12 +137,21 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._w().register_kv_caches(kv_caches)
+        worker = self._w()
+        # the namespace covers the layout registered here (connector/namespace_check.py)
+        worker.config, worker.geometry = self._namespace.prepare(worker.config, worker.geometry, kv_caches)
+        worker.register_kv_caches(kv_caches)
 
+    def get_handshake_metadata(self) -> "KVConnectorHandshakeMetadata | None":
+        return self._namespace.handshake_metadata() if self._worker is not None else None
+
+    @contained()
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self._w().handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
 
+    @contained(fallback=guard.fail_loads)
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._namespace.saw(self._meta())
         self._w().start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -143,18 +166,23 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         return None  # stores are submitted once per step in wait_for_save
 
+    @contained(fallback=guard.fail_saves)
     def wait_for_save(self) -> None:
         self._w().wait_for_save(self._meta())
 
+    @contained(guard.no_finished)
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._w().get_finished(finished_req_ids)
 
+    @contained(set)
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().get_block_ids_with_load_errors()
 
+    @contained()
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._w().build_worker_meta()
+        return self._namespace.attach(self._w().build_worker_meta())
 
+    @contained()
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -166,49 +194,69 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None, "scheduler-side method called on a worker connector"
         return self._scheduler
 
+    @contained()
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._s().bind_kv_cache_manager(kv_cache_manager)
 
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], "KVConnectorHandshakeMetadata"]
+    ) -> None:
+        # Start-up, after the workers registered their KV caches: a namespace mismatch
+        # raises here and vLLM refuses to start (connector/namespace_check.py).
+        self._s().handshake(metadata)  # type: ignore[attr-defined]
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, "KVConnectorHandshakeMetadata"]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, rank): m for rank, m in metadata.items()})
+
+    @contained(guard.NO_MATCH)
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @contained(fallback=guard.fail_alloc)
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:
         self._s().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @contained(TierCacheConnectorMetadata, fallback=guard.fallback_meta)
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self._s().build_connector_meta(scheduler_output)
 
+    @contained()
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self._s().update_connector_output(
             meta if isinstance(meta, TierCacheWorkerMetadata) else None
         )
 
+    @contained(guard.NOT_DELAYED)
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
 
+    @contained(guard.NOT_DELAYED)
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids[0] if block_ids else [])
 
+    @contained(False)
     def has_pending_push_work(self) -> bool:
         # A P/D producer's worker learns of hand-off marks and releases only in a step, and
         # with tcp transports progresses UCX while hand-offs are held: keep the engine stepping
         # then, even with no request left (see PDScheduler.has_pending).
         return self._scheduler is not None and self._scheduler.has_pending_handoffs()
 
+    @contained(list)
     def take_events(self) -> Iterable["KVCacheEvent"]:
         scheduler = self._s()
         return to_vllm_events(scheduler.take_events(), scheduler.block_size * scheduler.bpc)
 
+    @contained()
     def get_kv_connector_stats(self) -> "KVConnectorStats | None":
         if self._scheduler is None:
             return None
@@ -219,6 +267,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats | None":
         return TierCacheStats(data=dict(data or {}))
 
+    @contained(False)
     def reset_cache(self) -> bool | None:
         return self._s().reset() if self._scheduler is not None else None
 

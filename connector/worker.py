@@ -20,11 +20,13 @@ import logging
 
 import torch
 
+from tiercache import faults
 from tiercache.backend import JobResult
 
 from tiercache.config import ConfigError, TierCacheConfig
 from tiercache.huge_pages import collapse_tensors
-from tiercache.layout import KVBlockLayout, SlotLayout
+from tiercache.layout import KVBlockLayout, LayoutError, SlotLayout
+from tiercache.shards import HeadSlicer, ShardError, ShardSet
 from tiercache.pipeline import WorkerPipeline
 from tiercache.tier_io import TierIO
 from tiercache.transfer import TransferEngine, TransferJobSpec
@@ -35,14 +37,26 @@ from tiercache.backends.nixl_peer import PEER_TIER, NixlPeerTier
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PRODUCER_ROLES, pd_settings
+from tiercache.connector.worker_faults import WorkerFaults
 from tiercache.handoff import fingerprint
 from tiercache.pd_blocks import BlockRegions
 from tiercache.pd_channel import ProducerEndpoint
+from tiercache.pd_heads import page_heads
 
 logger = logging.getLogger(__name__)
 
 
-class TierCacheWorker:
+def _pipeline_rank() -> int:
+    """This worker's pipeline stage (0 without pipeline parallelism)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - no group yet (tests): one stage
+        return 0
+
+
+class TierCacheWorker(WorkerFaults):
     def __init__(
         self, config: TierCacheConfig, geometry: ChunkGeometry, num_blocks: int, rank: int = 0,
         kv_role: str = "kv_both",
@@ -63,6 +77,8 @@ class TierCacheWorker:
         self._sync_jobs: set[int] = set()
         self._finished_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
+        self._given_up: set[int] = set()  # see WorkerFaults
+        self._step_taken: set[int] = set()
         self._report = TierCacheWorkerMetadata()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -95,7 +111,8 @@ class TierCacheWorker:
             logger.info("tiercache P/D: host slab: %s", transfer.host.huge_pages.describe())
         keyspace = self.geometry.keyspace(self.config)
         digest = keyspace.digest
-        backends = make_backends(self.config, self.geometry, digest, self.rank)
+        shards, slicer = self._store_shards(kv_caches) if len(self.config.tiers) > 1 else (None, None)
+        backends = make_backends(self.config, self.geometry, digest, self.rank, shards=shards, slicer=slicer)
         block_readers = {}
         if self.pd is not None:
             slab = transfer.host.slab
@@ -103,21 +120,28 @@ class TierCacheWorker:
             # the handshake also checks that both sides' NIXL agents can talk to each other
             fp = {**fingerprint(keyspace.namespace), "nixl_error_handling": pd.nixl_error_handling}
             blocks = BlockRegions.from_layout(layout)
+            engine = self.geometry.engine  # pages by KV head: hand-offs between TP sizes (tiercache.pd_heads)
+            heads = page_heads(kv_caches, self.num_blocks, engine.kv_heads, engine.tp_size, self.rank,
+                               engine.local_kv_heads)
             if self.kv_role in PRODUCER_ROLES:
                 progress = pd.busy_progress if pd.busy_progress is not None else pd.nixl_error_handling == "peer"
                 planes = transfer.planes
                 self.handoff = ProducerEndpoint(slab.data_ptr(), self.geometry.slot_bytes, self.geometry.host_slots,
                                                 fp, pd.host, pd.port + self.rank, pd.nixl_error_handling, progress,
                                                 blocks if pd.mode == "direct" else None,
-                                                BlockRegions.from_planes(planes) if planes is not None else None)
+                                                BlockRegions.from_planes(planes) if planes is not None else None,
+                                                page_heads=heads)
             if self.kv_role in CONSUMER_ROLES:
                 self.peer = NixlPeerTier(self.geometry.slot_bytes, fp, self.rank, pd.read_timeout_s,
                                          pd.nixl_error_handling, self.num_blocks)
                 self.peer.expose_blocks(blocks)  # hand-offs are READ straight into the blocks
+                self.peer.page_heads = heads
                 block_readers[PEER_TIER] = self.peer
         tier_io = TierIO(backends, transfer.host.slab, transfer.planes, self.geometry.blocks_per_chunk) \
             if backends else None
-        self.engine = WorkerPipeline(transfer, tier_io, block_readers)
+        deadlines = self.config.deadlines
+        self.engine = WorkerPipeline(transfer, tier_io, block_readers, deadlines.load_s, deadlines.store_s)
+        self.engine.track_reports = True  # the manager hears of a job when its slots are free again
         logger.info(
             "tiercache worker: %d regions, %d B/block, host tier %d slots x %d B (%s, %s), lower tiers %s",
             len(layout.regions),
@@ -128,6 +152,23 @@ class TierCacheWorker:
             "pinned" if transfer.host.pinned else "pageable, prefaulted" if transfer.host.prefaulted else "pageable",
             sorted(backends) or "none",
         )
+
+    def _store_shards(self, kv_caches: dict[str, torch.Tensor]) -> tuple[ShardSet, HeadSlicer | None]:
+        """This rank's store shards for lower tiers: by KV head, or by rank if pages cannot be cut."""
+        engine = self.geometry.engine
+        pp_rank = _pipeline_rank()
+        if engine.kv_heads > 0:
+            try:
+                slicer = HeadSlicer.from_kv_caches(kv_caches, self.num_blocks, engine.local_kv_heads,
+                                                   self.geometry.blocks_per_chunk)
+                if slicer.shard_bytes == self.geometry.shard_bytes:
+                    return engine.shard_set(self.rank, pp_rank), slicer
+                reason = f"a head's shard is {slicer.shard_bytes} bytes, expected {self.geometry.shard_bytes}"
+            except (ShardError, LayoutError) as exc:
+                reason = str(exc)
+            logger.warning("tiercache: lower tiers hold rank shards (shared only with engines of TP size %d): %s",
+                           engine.tp_size, reason)
+        return engine.shard_set(self.rank, pp_rank, head_sliceable=False), None
 
     def _slot_layout(self) -> SlotLayout:
         """The host slab's layout: as configured, else ``planes`` for a via_host producer (its
@@ -157,23 +198,23 @@ class TierCacheWorker:
                 self.handoff.release_blocks(rid)  # cleared here (now or at the read): the scheduler unpins
                 self._report.blocks_released[rid] = {self.rank}
         self._invalid_blocks.update(meta.invalid_block_ids)
+        self._finished_recving.update(meta.failed_recvs)  # async loads the scheduler could not plan
         if self.peer is not None and meta.peer_sources:
             self.peer.expect(meta.peer_sources)
+        self._step_taken = set()
         for spec in meta.loads:
-            self._loads[spec.job_id] = spec
             staging = meta.staging.get(spec.job_id, ())
             if self.handoff is not None and staging:
                 filled = [(k, seg.slot) for k, seg, t in zip(spec.keys, spec.segments, staging) if t]
                 self.handoff.slot_filling([slot for _, slot in filled])
                 self._staged_slots[spec.job_id] = filled
-            engine.submit(spec, staging)
+            self._start_load(engine, spec, staging, meta.loads_are_sync)
         if meta.loads and meta.loads_are_sync:
             # vLLM calls this before the forward pass when a step has sync loads; the
             # blocks must hold their KV before attention reads them (staged chunks are
-            # read from their lower tier first). Earlier stores were fenced already.
-            for spec in meta.loads:
-                self._sync_jobs.add(spec.job_id)
-            self._absorb(engine.wait_for([spec.job_id for spec in meta.loads]))
+            # read from their lower tier first, until deadlines.load_s). Earlier stores
+            # were fenced already.
+            self._wait_sync(engine, [spec.job_id for spec in meta.loads if spec.job_id in self._loads])
 
     def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
         engine = self._engine()
@@ -182,19 +223,21 @@ class TierCacheWorker:
             # them as soon as the request finishes, without another step here.
             for rid, hold in meta.direct_holds.items():
                 self.handoff.hold_blocks(rid, hold.keys, hold.blocks)
-        engine.delete(meta.deletes)  # before the demotions, so the budget has room for them
+        # queued on the housekeeping lanes; a demotion waits for the deletes queued before it
+        engine.delete(meta.deletes)
+        self._step_taken = set()
         for spec in meta.stores:
             if self.handoff is not None:
                 self.handoff.slot_filling([seg.slot for seg in spec.segments])
                 self._stores[spec.job_id] = spec
-            engine.submit(spec)
+            self._start_save(engine.submit, spec)
         if self.handoff is not None and meta.stores and self.pd is not None and self.pd.mode == "via_host":
             # A producer's step ends with its chunks in host memory (mode via_host): a
             # consumer may ask for them the moment the request finishes, and an idle
             # engine runs no further step that would notice the copies completing.
             self._absorb(engine.wait_for([spec.job_id for spec in meta.stores]))
         for demote in meta.demotes:
-            engine.submit_demote(demote)
+            self._start_save(engine.submit_demote, demote)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         if self.handoff is not None:
@@ -214,11 +257,13 @@ class TierCacheWorker:
 
     def _absorb(self, results: list) -> None:
         for res in results:
-            self._report.add(res.job_id, res.failed_keys, res.bytes, res.secs)
             if self.handoff is not None:
                 self._publish_filled_slots(res)
             spec = self._loads.pop(res.job_id, None)
             if spec is None:
+                continue
+            if res.job_id in self._given_up:
+                self._given_up.discard(res.job_id)  # its blocks were reported failed already
                 continue
             if res.job_id in self._sync_jobs:
                 self._sync_jobs.discard(res.job_id)  # its request is running: no recv report
@@ -230,6 +275,10 @@ class TierCacheWorker:
                 for key, seg in zip(spec.keys, spec.segments):
                     if key in failed:
                         self._invalid_blocks.update(seg.block_ids)
+        if self.engine is not None:
+            # the manager's view: a load past its deadline is reported when its backend is done
+            for rep in self.engine.take_reports():
+                self._report.add(rep.job_id, rep.failed_keys, rep.bytes, rep.secs)
 
     def _publish_filled_slots(self, res: JobResult) -> None:
         """Producer: host slots whose copy finished may now be read by consumers."""
@@ -247,8 +296,10 @@ class TierCacheWorker:
         return invalid
 
     def build_worker_meta(self) -> TierCacheWorkerMetadata | None:
+        for reason, n in faults.take().items():  # this process's faults: counted by the scheduler
+            self._report.faults[reason] = self._report.faults.get(reason, 0) + n
         if not (self._report.done or self._report.handoffs_read or self._report.transfers
-                or self._report.blocks_released):
+                or self._report.blocks_released or self._report.faults):
             return None
         report, self._report = self._report, TierCacheWorkerMetadata()
         return report

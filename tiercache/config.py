@@ -97,6 +97,24 @@ class FaultConfig(_Frozen):
     )
 
 
+class DeadlineConfig(_Frozen):
+    """How long a job may wait on a lower tier before it is failed (docs/architecture.md, Faults)."""
+
+    load_s: float = Field(
+        default=5.0, gt=0, le=3600,
+        description="A load's reads from lower tiers (disk, LMDB, Redis, the cache server, plugins) "
+        "end within this many seconds: past it the chunks still owed are failed and vLLM recomputes "
+        "them (in load_mode sync, the step waits at most this long). A late read lands in its host "
+        "staging slot only, which stays reserved until the backend reports.",
+    )
+    store_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="A demotion (host tier -> lower tier) not reported within this many seconds marks "
+        "its tier stalled: further jobs of that tier fail at once (misses, no waiting) until the late "
+        "ones are reported. A demotion the backend never received is failed at once.",
+    )
+
+
 class MetricsConfig(_Frozen):
     port: int | None = Field(
         default=None, ge=0, le=65535, description="Serve Prometheus /metrics on this port."
@@ -214,6 +232,7 @@ class TierCacheConfig(BaseSettings):
         "VLLM_LOGGING_LEVEL). DEBUG shows each P/D read's timings.",
     )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
     pd: PDConfig | None = Field(
         default=None,

@@ -1,15 +1,26 @@
 """Chunk keys: raw bytes naming one chunk of KV for one engine namespace.
 
-Layout (DESIGN.md section 2)::
+Layout::
 
     namespace_digest (8 bytes) | prefix_hash (engine's chained block hash) | group_idx (4 bytes, big endian)
 
 The prefix hash is the engine's chained hash of the *last* block of the chunk,
 so it covers every token from the start of the sequence to the end of the
 chunk: equal keys mean equal prefixes. The namespace digest covers everything
-that makes two byte-identical hashes mean different KV (model, dtype, layout,
-block size, TP rank and size, bytes per chunk, hash algorithm, tenant salt), so
-two engines share chunks exactly when they could use each other's bytes.
+that makes two byte-identical hashes mean different KV (the checkpoint's
+content, dtype, attention backend and KV layout as the workers registered it,
+block and kernel block size, chunk size, global KV heads and bytes per head,
+pipeline stages, hash algorithm, tenant salt), so two engines share chunks
+exactly when they could use each other's bytes. Once ``model_identity`` is
+known the model's path is left out: a checkpoint copied elsewhere shares, one
+replaced in place does not.
+
+The TP rank and size are *not* in the digest when the KV heads are known
+(``kv_heads > 0``): lower tiers hold store shards named by KV head
+(:mod:`tiercache.shards`), so engines of any TP size share them. Without the
+head count (tests, old callers) the TP size and bytes per chunk stay in.
+The P/D fingerprint (:func:`tiercache.handoff.fingerprint`) always has them:
+a hand-off moves whole rank chunks.
 
 Keys are plain ``bytes``: cheap to hash, compare and ship, no tuple garbage.
 """
@@ -44,6 +55,11 @@ class Namespace:
     hash_algo: str
     tenant_salt: str = ""
     process_nonce: str = ""
+    kv_heads: int = 0  # global KV heads (1 for MLA's latent); 0: unknown, TP size in the digest
+    pp_size: int = 1
+    shard_bytes: int = 0  # one KV head's bytes of one chunk (one store shard)
+    model_identity: str = ""  # the checkpoint's content (connector/model_identity.py); "" unknown
+    attention_identity: str = ""  # attention backend, KV layout as registered, kernel block size
 
     @property
     def stable_across_processes(self) -> bool:
@@ -52,7 +68,12 @@ class Namespace:
 
     def digest(self) -> bytes:
         """The 8-byte namespace digest that prefixes every key."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = asdict(self)
+        if self.kv_heads > 0:  # store shards are named by head: any TP size shares them
+            del fields["tp_size"], fields["bytes_per_chunk"]
+        if self.model_identity:  # the checkpoint's content names it, not its path
+            del fields["model"]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(canonical, digest_size=NAMESPACE_DIGEST_BYTES).digest()
 
     @staticmethod

@@ -82,27 +82,67 @@ class KVBlockLayout:
         )
 
 
-def _regions_of(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
-    """Every page run of one layer's tensor, each as a ``(num_blocks, page_bytes)`` uint8 view."""
-    shape = tuple(tensor.shape)
-    block_dim = _find_block_dim(name, shape, num_blocks)
-    if shape[block_dim] != num_blocks:
-        # Kernel blocks smaller than the manager block: group them (a pure view).
-        tensor = tensor.unflatten(block_dim, (num_blocks, -1))
+def _page_order(name: str, tensor: torch.Tensor, num_blocks: int) -> tuple[list[int], int]:
+    """How a layer tensor (kernel blocks already grouped) is walked: the permutation (dims
+    before the block's, the block's, then the page's in memory order) and how many leading
+    dims split it into regions."""
+    block_dim = _find_block_dim(name, tuple(tensor.shape), num_blocks)
     # Dimensions before the block's (K and V apart, say) split the layer into
     # regions; the ones after it form the page, taken in memory order so that a
-    # permuted page (vLLM's HND layout) is still one dense byte run.
+    # permuted page (vLLM's HND) is still one dense byte run.
     outer = list(range(block_dim))
     inner = sorted(range(block_dim + 1, tensor.dim()), key=tensor.stride, reverse=True)
-    ordered = tensor.permute(*outer, block_dim, *inner)
+    return [*outer, block_dim, *inner], len(outer)
+
+
+def _grouped(tensor: torch.Tensor, num_blocks: int, block_dim: int) -> torch.Tensor:
+    return tensor if tensor.shape[block_dim] == num_blocks else tensor.unflatten(block_dim, (num_blocks, -1))
+
+
+def _regions_of(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """Every page run of one layer's tensor, each as a ``(num_blocks, page_bytes)`` uint8 view."""
+    block_dim = _find_block_dim(name, tuple(tensor.shape), num_blocks)
+    tensor = _grouped(tensor, num_blocks, block_dim)
+    order, n_outer = _page_order(name, tensor, num_blocks)
+    ordered = tensor.permute(*order)
     out: list[torch.Tensor] = []
-    for index in itertools.product(*(range(ordered.shape[i]) for i in range(len(outer)))):
+    for index in itertools.product(*(range(ordered.shape[i]) for i in range(n_outer))):
         sub = ordered[index] if index else ordered
         sub = sub.reshape(num_blocks, 1) if sub.dim() == 1 else sub
         _check_pages(name, tensor, sub)
         flat = sub.flatten(1)
         out.append(flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat)
     return out
+
+
+def region_head_maps(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, local_heads: int) -> list[np.ndarray]:
+    """For each region (in :meth:`KVBlockLayout.from_kv_caches`'s order), the local KV head
+    of every byte of one page: walks a head-index tensor exactly as :func:`_regions_of`
+    walks the layer (tiercache.shards cuts store shards with it)."""
+    from tiercache.shards import head_dim_of
+
+    maps: list[np.ndarray] = []
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in kv_caches.items():
+        ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        block_dim = _find_block_dim(name, tuple(tensor.shape), num_blocks)
+        head_dim = head_dim_of(tuple(tensor.shape), block_dim, local_heads)
+        shape = [1] * tensor.dim()
+        if head_dim is not None:
+            shape[head_dim] = local_heads
+        heads = torch.arange(shape[head_dim] if head_dim is not None else 1, dtype=torch.int16)
+        heads = heads.view(shape).expand(tensor.shape)
+        grouped = _grouped(tensor, num_blocks, block_dim)
+        order, n_outer = _page_order(name, grouped, num_blocks)
+        ordered = _grouped(heads, num_blocks, block_dim).permute(*order)
+        for index in itertools.product(*(range(ordered.shape[i]) for i in range(n_outer))):
+            sub = ordered[index] if index else ordered
+            page = sub[0].reshape(-1).numpy()
+            maps.append(np.repeat(page, tensor.element_size()))
+    return maps
 
 
 def _find_block_dim(name: str, shape: tuple[int, ...], num_blocks: int) -> int:

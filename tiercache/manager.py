@@ -339,7 +339,10 @@ class OffloadingManager(LowerTierFlows):
         They become misses at once, so the recompute vLLM schedules next does not
         look them up and fail on them again (a livelock). A slot still pinned by
         an in-flight load is freed when that load completes. Returns the number
-        of (tier, key) entries dropped.
+        of (tier, key) entries dropped. An owned lower tier's copy is deleted; a
+        shared tier's is only forgotten (a load that failed because the tier was
+        slow or stopped says nothing about the bytes other engines share; a bad
+        copy is overwritten when the recompute stores the chunk again).
         """
         dropped = 0
         for tier in self.tiers:
@@ -355,7 +358,7 @@ class OffloadingManager(LowerTierFlows):
             if removed:
                 dropped += len(removed)
                 self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(removed)))
-                if tier is not self.host:
+                if tier is not self.host and not tier.spec.shared:
                     self._deletes[tier.name].extend(removed)
         return dropped
 

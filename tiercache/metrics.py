@@ -66,6 +66,20 @@ class TierCacheMetrics:
             "tiercache_pd_held_chunks", "Producer: chunks held for consumers that have not read them yet.",
             labels, registry=self.registry,
         )
+        self.faults = Counter(
+            "tiercache_faults",
+            "Faults tiercache contained (each a miss or a recompute, never an error in vLLM), by reason: "
+            "load_deadline, store_deadline, tier_stalled, backend_exception, connector_exception, "
+            "reader_exception, delete_dropped, lookup_timeout, integrity (tiercache/faults.py).",
+            labels + ["reason"],
+            registry=self.registry,
+        )
+
+    def count_faults(self, counts: dict[str, int]) -> None:
+        """Add fault counts by reason (from :func:`tiercache.faults.take` or a worker's report)."""
+        for reason, n in counts.items():
+            if n:
+                self.faults.labels(self._engine, reason).inc(n)
 
     def observe_transfer(self, path: str, num_bytes: int, secs: float) -> None:
         self.transfer_bytes.labels(self._engine, path).inc(num_bytes)

@@ -20,6 +20,14 @@ Messages are msgpack maps framed by a 4-byte big-endian length, bounded by
                                                 "block_tags_addr": int}
                                                or {"ok": false, "error": "..."}
     {"op": "read", "request_id": str}          (none: the producer releases that hand-off)
+    another TP size, several consumer ranks read this producer rank:
+    {"op": "read", "request_id": str,          (none: released once ``readers`` distinct
+     "rank": int, "readers": int}               consumer ranks have said so)
+
+A consumer of another TP size (tiercache.pd_heads) is accepted when only
+``tp_size``/``bytes_per_chunk`` differ and the ratio allows it; the producer's
+answer then carries ``"page_heads"`` (its global heads and one head's bytes per
+page region), from which the consumer READs its heads' sub-runs.
 
 The read message goes over the side channel rather than as a NIXL
 notification: with UCX error handling ``none``, NIXL notifications from a
@@ -83,13 +91,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from tiercache.handoff import mismatches
+from tiercache import faults
 from tiercache.pd_blocks import BlockRegions
+from tiercache.pd_heads import PageHeads, tp_mismatches
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_CONNECTIONS = 256
+MAX_PARTIAL_READS = 4096  # hand-offs heard from some, not yet all, consumer ranks of another TP size
 TAG_BYTES = 8
 _LEN = struct.Struct(">I")
 _RECV_BYTES = 64 * 1024
@@ -177,8 +187,11 @@ class ProducerEndpoint:
     def __init__(self, slab_addr: int, slot_bytes: int, num_slots: int,
                  fingerprint: dict[str, Any], host: str, port: int,
                  error_handling: str = "none", busy_progress: bool = False,
-                 blocks: BlockRegions | None = None, slot_planes: BlockRegions | None = None) -> None:
+                 blocks: BlockRegions | None = None, slot_planes: BlockRegions | None = None,
+                 page_heads: PageHeads | None = None) -> None:
         self.slab_addr, self.slot_bytes, self.num_slots = slab_addr, slot_bytes, num_slots
+        # our pages by KV head: consumers of another TP size read their heads' sub-runs (pd_heads)
+        self.page_heads = page_heads
         self.slot_planes = slot_planes  # a planes slab's planes (inside the slab), else None
         self.fingerprint = fingerprint
         self.tags = np.zeros(num_slots, dtype=np.uint64)  # written by this worker thread only
@@ -199,6 +212,8 @@ class ProducerEndpoint:
         self._agent_lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._read: set[str] = set()
+        # another TP size: a request read by several consumer ranks, the ranks heard so far
+        self._partial: dict[str, set[int]] = {}
         self._holding = threading.Event()
         self._closed = False
         # mode direct: the engine's KV blocks, one tag per block, blocks held per request
@@ -349,6 +364,10 @@ class ProducerEndpoint:
             self.counters["bad_messages"] += 1
             logger.warning("tiercache P/D: side channel %s: dropping a connection: %s", self.address, exc)
             self._drop(conn)
+        except Exception as exc:  # noqa: BLE001 - a peer's garbage must not end the side channel
+            self.counters["bad_messages"] += 1
+            faults.record(faults.READER_EXCEPTION, exc, where=f"pd side channel {self.address}")
+            self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
         self._inbox.pop(conn, None)
@@ -364,13 +383,25 @@ class ProducerEndpoint:
             rid = message.get("request_id")
             if not isinstance(rid, str):
                 raise ChannelError("read message without a request id")
+            readers, rank = message.get("readers", 1), message.get("rank", 0)
+            if not (isinstance(readers, int) and isinstance(rank, int) and 1 <= readers <= 4096):
+                raise ChannelError("read message with a bad reader count or rank")
             with self._read_lock:
-                self._read.add(rid)
+                if readers == 1:
+                    self._read.add(rid)
+                else:  # consumer of another TP size: every consumer rank that reads us must have read
+                    heard = self._partial.setdefault(rid, set())
+                    heard.add(rank)
+                    if len(heard) >= readers:
+                        del self._partial[rid]
+                        self._read.add(rid)
+                    while len(self._partial) > MAX_PARTIAL_READS:  # a rank that never read: its hold expires
+                        del self._partial[next(iter(self._partial))]
             return None  # one-way: the consumer does not wait
         if op != "hello":
             return {"ok": False, "error": f"unknown op {op!r}"}
         theirs = message.get("fingerprint")
-        diff = mismatches(self.fingerprint, theirs if isinstance(theirs, dict) else {})
+        diff = tp_mismatches(self.fingerprint, theirs if isinstance(theirs, dict) else {}, we_produce=True)
         if diff:
             self.counters["refused"] += 1
             return {"ok": False, "error": "incompatible peer: " + "; ".join(diff)}
@@ -383,6 +414,8 @@ class ProducerEndpoint:
                   "tags_addr": int(self.tags.ctypes.data)}
         if self.slot_planes is not None:
             answer["slot_planes"] = self.slot_planes.to_wire()
+        if self.page_heads is not None:
+            answer["page_heads"] = self.page_heads.to_wire()
         if self.blocks is not None:
             answer["blocks"] = self.blocks.to_wire()
             answer["block_tags_addr"] = int(self.block_tags.ctypes.data)
@@ -445,7 +478,7 @@ class PeerLink:
             raise ChannelError(f"producer {self.address}: hello: {exc}") from exc
         if not reply.get("ok"):
             raise ChannelError(f"producer {self.address} refused us: {reply.get('error')}")
-        diff = mismatches(fingerprint, reply.get("fingerprint") or {})
+        diff = tp_mismatches(fingerprint, reply.get("fingerprint") or {})
         if diff:
             raise ChannelError(f"producer {self.address} is incompatible: " + "; ".join(diff))
         try:
@@ -458,15 +491,24 @@ class PeerLink:
             # mode direct: the producer's KV blocks and their tags (absent when it exposes none)
             self.blocks = BlockRegions.from_wire(reply["blocks"]) if "blocks" in reply else None
             self.block_tags_addr = int(reply.get("block_tags_addr", 0))
+            # its pages by KV head (a consumer of another TP size reads head sub-runs; absent: unknown)
+            self.page_heads = PageHeads.from_wire(reply["page_heads"]) if "page_heads" in reply else None
             return bytes(reply["metadata"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ChannelError(f"producer {self.address}: malformed hello answer: {exc!r}") from exc
 
-    def notify_read(self, request_id: str) -> None:
-        """Tell the producer its hand-off ``request_id`` was read (one-way; it releases the chunks)."""
+    def notify_read(self, request_id: str, rank: int = 0, readers: int = 1) -> None:
+        """Tell the producer its hand-off ``request_id`` was read (one-way; it releases the chunks).
+
+        ``readers`` > 1 (a consumer of another TP size): that many consumer ranks read this
+        producer rank; it counts the hand-off read once each (``rank``) has said so.
+        """
+        message: dict[str, Any] = {"op": "read", "request_id": request_id}
+        if readers > 1:
+            message.update(rank=rank, readers=readers)
         try:
             self._sock.settimeout(_REPLY_TIMEOUT_S)
-            send_message(self._sock, {"op": "read", "request_id": request_id})
+            send_message(self._sock, message)
         except OSError as exc:
             raise ChannelError(f"producer {self.address}: read notification: {exc}") from exc
 

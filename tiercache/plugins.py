@@ -7,6 +7,9 @@ entry point group ``tiercache.backends``::
     mystore = "mypkg.store:MyStoreBackend"
 
 and is then named in YAML exactly like a built-in (``backend: mystore``).
+A class may also be named by its import path without any registration
+(``backend: "mypkg.store:MyStoreBackend"``), as the test kit's misbehaving
+backends are (tiercache/testing/faulty_backends.py).
 Built-ins are registered the same way in tiercache's own pyproject.toml; the
 table below is the fallback for a source checkout that was never installed.
 """
@@ -43,6 +46,8 @@ def backend_class(name: str) -> type[Backend]:
     """Import the backend class registered as ``name``; ConfigError if unknown or broken."""
     targets = available_backends()
     target = targets.get(name)
+    if target is None and ":" in name:
+        target = name  # an import path, module:Class
     if target is None:
         raise ConfigError(f"backend: unknown {name!r}; available: {sorted(targets)}")
     module_name, _, attr = target.partition(":")

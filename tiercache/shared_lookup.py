@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from tiercache import faults
 from tiercache.backend import Backend
 
 logger = logging.getLogger(__name__)
@@ -49,13 +50,14 @@ class SharedLookup:
         out: dict[str, list[bytes]] = {}
         for name, fut in futures.items():
             if not fut.done():
-                logger.warning("tiercache: shared tier %s did not answer a lookup in %.2fs", name, self.timeout_s)
+                faults.record(faults.LOOKUP_TIMEOUT, f"shared tier {name} did not answer a lookup in "
+                              f"{self.timeout_s:g}s: a miss", where=name)
                 fut.cancel()
                 continue
             try:
                 present = fut.result()
-            except Exception as exc:
-                logger.warning("tiercache: lookup in shared tier %s failed: %s", name, exc)
+            except Exception as exc:  # noqa: BLE001 - a miss, never an error
+                faults.record(faults.BACKEND_EXCEPTION, exc, where=f"{name}.contains")
                 continue
             prefix: list[bytes] = []
             for key, held in zip(keys, present):

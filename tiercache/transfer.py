@@ -84,7 +84,13 @@ class TransferEngine:
             self._failed_now.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
             return
         self._inflight[spec.job_id] = spec
-        self.copier.submit(CopyJob(spec.job_id, spec.direction, spec.segments))
+        try:
+            self.copier.submit(CopyJob(spec.job_id, spec.direction, spec.segments))
+        except Exception as exc:  # noqa: BLE001 - a copy that cannot start is a failed job
+            del self._inflight[spec.job_id]
+            logger.warning("tiercache %s job %d not started: %s: %s", spec.direction, spec.job_id,
+                           type(exc).__name__, exc)
+            self._failed_now.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
 
     def fence_stores(self) -> None:
         """Block reuse barrier: call before a forward pass may overwrite engine blocks."""

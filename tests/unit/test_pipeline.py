@@ -3,7 +3,7 @@
 A staged load reads chunks from the disk tier into host staging slots and then
 copies them into engine blocks, in one job; a chunk whose read fails (here: a
 corrupted file, caught by its checksum) is left out and reported failed; a
-demotion writes host slots to disk; deletes remove files.
+demotion writes host slots to disk; deletes remove files (on the housekeeping lane).
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def test_delete_removes_from_the_tier(setup) -> None:  # type: ignore[no-untyped
     pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1),), (0,)))
     pipe.wait_for([2])
     assert list(disk.recover()) == [key(1)]
-    pipe.delete({"disk": [key(1)]})
+    pipe.delete({"disk": [key(1)]})  # on the tier's housekeeping lane, off this thread
+    assert pipe.tier_io is not None and pipe.tier_io.wait_deletes(10.0)
     assert list(disk.recover()) == []
 
 

@@ -17,7 +17,9 @@ in a pytest module and says how to open their backend::
 and pytest runs every ``test_*`` method below against it: put/get round trip,
 batch semantics, concurrent jobs, partial failure, the byte budget, recovery
 after reopening (persistent media), checksum rejection, namespace isolation,
-idempotent close, and that views are not kept after their JobResult.
+idempotent close, and that views are not kept after their JobResult; through
+store shards (tiercache/testing/conformance_shards.py): TP ranks apart, TP sizes
+sharing heads, and ``contains`` of shared tiers.
 
 What the kit holds a backend to (DESIGN.md section 5):
 
@@ -49,6 +51,7 @@ import pytest
 from pydantic import BaseModel
 
 from tiercache.backend import Backend, BackendContext, JobResult
+from tiercache.testing.conformance_shards import StoreShardChecks
 
 KIT_NAMESPACE = b"kit-ns-1"
 OTHER_NAMESPACE = b"kit-ns-2"
@@ -111,7 +114,7 @@ def check_split(result: JobResult, keys: Sequence[bytes]) -> None:
 
 
 # ------------------------------------------------------------------------------ the kit
-class BackendConformance:
+class BackendConformance(StoreShardChecks):
     """Base class of a backend's conformance tests; see the module docstring.
 
     Override :meth:`make_backend` (required), :meth:`corrupt_chunk` and

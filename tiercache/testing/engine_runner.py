@@ -66,6 +66,7 @@ Result (JSON object)::
               wall_s, turn_wall_s (conversation only), results (worker_call only: one per worker),
               requests: [{prompt_len, output_token_ids, num_cached_tokens,
                           ttft_s, queued_s, prefill_s,   # null when vLLM gives no metrics
+                          decode_s,                      # first token to last: the decode steps
                           prompt_token_ids (conversation only)}],
               metrics: {name[{labels}]: value} | {"error": str}}]
 
@@ -276,10 +277,12 @@ def _timing(metrics: Any) -> dict[str, float | None]:
         return float(value) if value else None
 
     first, sched, queued = get("first_token_ts"), get("scheduled_ts"), get("queued_ts")
+    last = get("last_token_ts")
     return {
         "ttft_s": get("first_token_latency"),
         "queued_s": sched - queued if sched and queued else None,
         "prefill_s": first - sched if first and sched else None,
+        "decode_s": last - first if last and first else None,
     }
 
 

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# GPU check of tiercache's CUDA path: the CUDA copier tests (tests/gpu) and the
+# host-tier benchmark with the engine KV on the GPU (bench/host_tier.py --device cuda).
+#
+#   bash scripts/gpu_check.sh            # from anywhere; runs in the repository root
+#
+# Needs one CUDA GPU and a Python with torch (CUDA build), numpy, pytest, tqdm,
+# pyyaml, pydantic and pydantic-settings. Nothing is fetched: where pydantic &
+# co. are missing, wheels in .whl/ (if any) are installed into a scratch
+# folder (pip --no-index). The repository need not be installed: its
+# package-dir mapping (pyproject.toml: tiercache.backends = backends/,
+# tiercache.connector = connector/) is provided by a small import hook, so the
+# tree is tested as it is. Logs and the benchmark's JSON go to $OUT (default
+# /tmp/gpu_check_out). Each step has its own time limit; the whole ends within ~6 min.
+#
+# Environment: PYTHON (default python3), OUT, TC_BENCH_DEVICE (default cuda;
+# cpu only to try the script on a machine without a GPU).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_check_out}
+BENCH_DEVICE=${TC_BENCH_DEVICE:-cuda}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+
+step() { echo; echo "=== $* [$(date -u +%H:%M:%S)]"; }
+declare -A RC
+
+step "machine"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+else
+  echo "nvidia-smi: not found"
+fi
+nproc; uname -r
+timeout 60 "$PY" - <<'EOF'
+import sys, torch
+print("python", sys.version.split()[0], sys.executable)
+print("torch", torch.__version__, "| built for CUDA", torch.version.cuda,
+      "| cuda available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device 0:", p.name, f"{p.total_memory / 2**30:.1f} GiB", f"sm_{p.major}{p.minor}",
+          p.multi_processor_count, "SMs")
+EOF
+
+step "dependencies"
+if ! timeout 60 "$PY" -c "import numpy, pytest, tqdm, yaml, pydantic, pydantic_settings" 2>/dev/null; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    echo "installing carried wheels into /tmp/tc_site: $(ls .whl)"
+    timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/tc_site .whl/*.whl || echo "pip install of .whl failed"
+    export PYTHONPATH=/tmp/tc_site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "missing packages and no .whl/ folder to install from"
+  fi
+fi
+timeout 60 "$PY" -c "
+import importlib.metadata as m
+for n in ('numpy', 'pytest', 'pytest-timeout', 'tqdm', 'pyyaml', 'pydantic', 'pydantic-settings', 'typing-extensions'):
+    try: print(n, m.version(n))
+    except m.PackageNotFoundError: print(n, 'MISSING')
+"
+
+# Run a module with the repository's package-dir mapping, without installing it.
+SHIM=$(mktemp -d)/tc_run.py
+cat >"$SHIM" <<'EOF'
+import importlib.util, os, runpy, sys
+ROOT = os.getcwd()
+MAP = {"tiercache.backends": "backends", "tiercache.connector": "connector"}  # pyproject.toml
+
+class _PackageDirs:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name not in MAP:
+            return None
+        d = os.path.join(ROOT, MAP[name])
+        return importlib.util.spec_from_file_location(
+            name, os.path.join(d, "__init__.py"), submodule_search_locations=[d])
+
+sys.meta_path.insert(0, _PackageDirs)
+sys.path.insert(0, ROOT)
+module, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+EOF
+
+timeout 60 "$PY" "$SHIM" tiercache.cuda_copier && echo "import check: tiercache.cuda_copier ok"
+"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=60) || PER_TEST=()
+
+step "tests/gpu"
+timeout 180 "$PY" "$SHIM" pytest -q -rA tests/gpu -p no:cacheprovider "${PER_TEST[@]}" 2>&1 \
+  | tee "$OUT/gpu_tests.log"
+RC[tests]=$?
+
+step "bench: host tier, default geometry (small model, 2 KiB pages), KV on $BENCH_DEVICE"
+rm -f bench/results/host_tier_gpu_*.json
+timeout 150 "$PY" "$SHIM" bench.host_tier --device "$BENCH_DEVICE" --sizes 64K,1M,4M --total 128M \
+  --repeat 3 --out host_tier_gpu_small 2>&1 | tee "$OUT/bench_cuda.log"
+RC[bench_small]=$?
+
+step "bench: host tier, Llama-8B-like geometry (32 KiB pages, K/V apart), KV on $BENCH_DEVICE"
+timeout 120 "$PY" "$SHIM" bench.host_tier --device "$BENCH_DEVICE" --kv-heads 8 --head-dim 128 \
+  --kv-split --sizes 2M,16M --total 1G --repeat 3 --out host_tier_gpu_llama 2>&1 \
+  | tee -a "$OUT/bench_cuda.log"
+RC[bench_llama]=$?
+cp bench/results/host_tier_gpu_*.json "$OUT/" 2>/dev/null
+
+step "summary"
+for k in tests bench_small bench_llama; do echo "$k: exit ${RC[$k]}"; done
+(( RC[tests] == 0 && RC[bench_small] == 0 && RC[bench_llama] == 0 ))
