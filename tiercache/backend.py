@@ -48,7 +48,10 @@ class BackendContext:
 
     ``namespace`` is the 8-byte namespace digest (keys start with it too); a
     medium shared between engines must keep namespaces apart (a directory per
-    namespace, a key prefix, ...). Every value is exactly ``chunk_bytes`` long.
+    namespace, a key prefix, ...). Every value is exactly ``chunk_bytes`` long:
+    a *store shard*, one KV head's bytes of a chunk, keyed by head, not by TP
+    rank (tiercache/shards.py; the engine wraps every backend to cut and join
+    them, so a backend never keeps ranks apart itself).
     The manager keeps the tier inside ``capacity_bytes`` by evicting (and then
     calling :meth:`Backend.delete`); a backend must still refuse (fail) a put
     that would take it past its budget, never exceed it.

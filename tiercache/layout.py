@@ -68,18 +68,24 @@ class KVBlockLayout:
         if not kv_caches:
             raise LayoutError("no KV cache tensors were registered")
         regions: list[torch.Tensor] = []
-        seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-        for name, tensor in kv_caches.items():
-            ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
-            if ident in seen:
-                continue
-            seen.add(ident)
+        for name, tensor in distinct_layers(kv_caches):
             regions.extend(_regions_of(name, tensor, num_blocks))
         return cls(
             regions=tuple(regions),
             page_bytes=tuple(r.shape[1] for r in regions),
             num_blocks=num_blocks,
         )
+
+
+def distinct_layers(kv_caches: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of each layer, layers that share one tensor (same memory, shape and
+    strides) once: the order every per-region walk of the KV cache follows."""
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in kv_caches.items():
+        ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if ident not in seen:
+            seen.add(ident)
+            yield name, tensor
 
 
 def _page_order(name: str, tensor: torch.Tensor, num_blocks: int) -> tuple[list[int], int]:
@@ -122,12 +128,7 @@ def region_head_maps(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, loc
     from tiercache.shards import head_dim_of
 
     maps: list[np.ndarray] = []
-    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    for name, tensor in kv_caches.items():
-        ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
-        if ident in seen:
-            continue
-        seen.add(ident)
+    for name, tensor in distinct_layers(kv_caches):
         block_dim = _find_block_dim(name, tuple(tensor.shape), num_blocks)
         head_dim = head_dim_of(tuple(tensor.shape), block_dim, local_heads)
         shape = [1] * tensor.dim()

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,21 +184,23 @@ class HeadSlicer:
             start += size
         return out
 
+    def _pieces(self, chunk: np.ndarray, head: int, shard: np.ndarray) -> Iterator[tuple[_RegionCut, np.ndarray, np.ndarray]]:
+        """Per region: its cut, the chunk's pages of it, and the shard's part for them."""
+        start = 0
+        for pages, cut in zip(self._region_views(chunk), self._regions):
+            size = cut.bytes_of(head) * self.blocks_per_chunk
+            yield cut, pages, shard[start:start + size].reshape(self.blocks_per_chunk, -1)
+            start += size
+
     def cut(self, chunk: np.ndarray, head: int, out: np.ndarray) -> None:
         """Write local head ``head``'s shard of ``chunk`` (1-D uint8) into ``out``."""
-        start = 0
-        for region, cut in zip(self._region_views(chunk), self._regions):
-            size = cut.bytes_of(head) * self.blocks_per_chunk
-            cut.take(region, head, out[start:start + size].reshape(self.blocks_per_chunk, -1))
-            start += size
+        for cut, pages, part in self._pieces(chunk, head, out):
+            cut.take(pages, head, part)
 
     def join(self, shard: np.ndarray, head: int, chunk: np.ndarray) -> None:
         """Write local head ``head``'s shard ``shard`` into its bytes of ``chunk``."""
-        start = 0
-        for region, cut in zip(self._region_views(chunk), self._regions):
-            size = cut.bytes_of(head) * self.blocks_per_chunk
-            cut.put(region, head, shard[start:start + size].reshape(self.blocks_per_chunk, -1))
-            start += size
+        for cut, pages, part in self._pieces(chunk, head, shard):
+            cut.put(pages, head, part)
 
 
 @dataclass(frozen=True)

@@ -56,3 +56,21 @@ def tiercache_kv_config(
         "kv_role": kv_role,
         "kv_connector_extra_config": config,
     }
+
+
+def engine_spec(model: pathlib.Path, chunk_tokens: int, lower_tiers: list[dict[str, Any]] | None,
+                rounds: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+    """An engine runner spec: the model in float32, 32-token blocks, and (``lower_tiers`` not None)
+    tiercache with a host tier, those tiers and its metrics on a free port; ``spec`` adds or overrides keys."""
+    port = free_port() if lower_tiers is not None else None
+    kv = tiercache_kv_config(chunk_tokens, lower_tiers, metrics_port=port) if lower_tiers is not None else None
+    return {
+        "model_dir": str(model),
+        "dtype": "float32",
+        "block_size": 32,
+        "max_model_len": 1024,
+        "kv_transfer_config": kv,
+        "tiercache_metrics_url": f"http://127.0.0.1:{port}/metrics" if port else None,
+        "rounds": rounds,
+        **spec,
+    }

@@ -26,31 +26,20 @@ import pytest
 from tiercache.testing.engine_runner import random_prompts, run_engine
 from tiercache.testing.random_llama import make_model_dir
 
-from .conftest import free_port, tiercache_kv_config
+from .conftest import engine_spec
 
 CHUNK = 128
 PROMPTS = random_prompts(3, 2 * CHUNK + 40, seed=16)  # two full chunks each
 
 
 def spec(model: pathlib.Path, disk: pathlib.Path | None) -> dict[str, Any]:
-    port = free_port() if disk else None
-    kv = None
-    if disk is not None:
-        tier = {"name": "disk", "backend": "disk", "capacity": "64MiB", "options": {"root": str(disk)}}
-        kv = tiercache_kv_config(CHUNK, [tier], metrics_port=port)
-    return {
-        "model_dir": str(model),
-        "dtype": "float32",
-        "block_size": 32,
-        "max_model_len": 1024,
-        "kv_transfer_config": kv,
-        "tiercache_metrics_url": f"http://127.0.0.1:{port}/metrics" if port else None,
-        "rounds": [
-            {"prompts": PROMPTS, "max_tokens": 8},
-            # more steps, so the write-through copies of the last chunks reach the disk tier
-            {"prompts": random_prompts(1, 64, seed=99), "max_tokens": 4},
-        ],
-    }
+    tiers = None if disk is None else [
+        {"name": "disk", "backend": "disk", "capacity": "64MiB", "options": {"root": str(disk)}}]
+    return engine_spec(model, CHUNK, tiers, [
+        {"prompts": PROMPTS, "max_tokens": 8},
+        # more steps, so the write-through copies of the last chunks reach the disk tier
+        {"prompts": random_prompts(1, 64, seed=99), "max_tokens": 4},
+    ])
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from tests.server.harness import ServerProcess
 from tiercache.shards import IGNORE_RANK_ENV
 from tiercache.testing.engine_runner import random_prompts, run_engine
 
-from .conftest import free_port, tiercache_kv_config
+from .conftest import engine_spec, free_port
 
 CHUNK = 128
 P = random_prompts(3, 400, seed=61)
@@ -66,18 +66,8 @@ def server_tier(address: str) -> dict[str, Any]:
 
 def spec(model: pathlib.Path, tp: int, tiers: list[dict[str, Any]] | None, rounds: list[dict[str, Any]],
          env: dict[str, str] | None = None) -> dict[str, Any]:
-    port = free_port() if tiers else None
-    return {
-        "model_dir": str(model),
-        "dtype": "float32",
-        "block_size": 32,
-        "max_model_len": 1024,
-        "llm_kwargs": {"tensor_parallel_size": tp},
-        "env": {**BIND[tp], **(env or {})},
-        "kv_transfer_config": tiercache_kv_config(CHUNK, tiers, metrics_port=port) if tiers else None,
-        "tiercache_metrics_url": f"http://127.0.0.1:{port}/metrics" if port else None,
-        "rounds": rounds,
-    }
+    return engine_spec(model, CHUNK, tiers, rounds, llm_kwargs={"tensor_parallel_size": tp},
+                       env={**BIND[tp], **(env or {})})
 
 
 def hits(result: dict[str, Any], rnd: int, tier: str) -> float:

@@ -104,3 +104,17 @@ class StoreShardChecks(_Base):
         assert backend.contains([*chunks, missing]) == [True, True, False]
         backend.delete([next(iter(chunks))])
         assert backend.contains(list(chunks)) == [False, True]
+
+    def test_recover_lists_chunks_whose_shards_are_all_there(self) -> None:
+        from tiercache.testing.conformance import make_key
+
+        if not self.persistent:
+            pytest.skip("only persistent media recover")
+        backend = self.open()
+        a, b = make_key(43), make_key(44)
+        assert self._put_chunk(self._engine(backend, 1, 0), a, self._payloads(a, [0, 1])).ok
+        assert self._put_chunk(self._engine(backend, 2, 0), b, self._payloads(b, [0])).ok
+        backend = self.reopen(backend)
+        assert set(self._engine(backend, 1, 0).recover()) == {a}  # b lacks head 1
+        assert set(self._engine(backend, 2, 0).recover()) == {a, b}
+        assert set(self._engine(backend, 2, 1).recover()) == {a}
