@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
-MAX_ENTRIES = 1 << 20
+MAX_ENTRIES = 1 << 18  # about 50 MB of digests; beyond it the oldest chunks go unchecked
 
 
 def digest(view: memoryview) -> int:

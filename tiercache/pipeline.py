@@ -188,8 +188,9 @@ class WorkerPipeline:
     # ------------------------------------------------------------ completion
     @property
     def busy(self) -> bool:
-        """Whether lower-tier or direct reads are still outstanding (held loads included)."""
-        return bool(self._staging or self._demotes or self._held)
+        """Whether reads or demotions are outstanding that have not passed their deadline yet
+        (those past it may never end: nobody waits for them)."""
+        return bool(self._staging or any(not d.overdue for d in self._demotes.values()))
 
     def take_reports(self) -> list[JobResult]:
         """Reports for the scheduler's manager since the last call (``track_reports`` only)."""
@@ -349,7 +350,7 @@ class WorkerPipeline:
         return out
 
     def wait_all(self, timeout_s: float = 60.0) -> list[JobResult]:
-        """Poll until nothing is outstanding, or ``timeout_s`` (shutdown, tests)."""
+        """Poll until nothing is outstanding within its deadline, or ``timeout_s`` (shutdown, tests)."""
         out = self.poll()
         deadline = time.monotonic() + timeout_s
         while self.busy and time.monotonic() < deadline:
@@ -365,7 +366,7 @@ class WorkerPipeline:
         return batch
 
     def shutdown(self) -> None:
-        self.wait_all(timeout_s=max(1.0, min(60.0, self.load_deadline_s + 1.0)))
+        self.wait_all()
         self.engine.shutdown()
         if self.tier_io is not None:
             self.tier_io.close()

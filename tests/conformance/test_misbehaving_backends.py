@@ -18,10 +18,10 @@ from typing import ClassVar
 
 import pytest
 import torch
+from tiercache.backends.disk import DiskBackend, DiskSettings
 
 from tiercache import faults
 from tiercache.backend import Backend, BackendContext
-from tiercache.backends.disk import DiskBackend, DiskSettings
 from tiercache.config import load_config
 from tiercache.device import CopySegment
 from tiercache.plugins import backend_class, create_backend
