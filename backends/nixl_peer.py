@@ -11,7 +11,11 @@ producer's mode: its host slot (``via_host``, :func:`tiercache.pd_blocks.plane_d
 or, for a slab in layout ``slots``, :func:`~tiercache.pd_blocks.slot_descs`) or its own KV blocks (``direct``, :func:`tiercache.pd_blocks.paired_descs`).
 
 The metadata of the step names, per key, which producer holds it and where
-(:meth:`expect`).
+(:meth:`expect`). A producer of another TP size (``PeerSource.tp_size``) is read
+head by head (tiercache.pd_heads): this rank's KV heads from the producer
+rank(s) holding them, each a sub-run of their head-major pages
+(:func:`~tiercache.backends.nixl_plans.head_plan`); a chunk arrived when every
+producer rank's part did.
 
 A read, per producer: handshake once (:class:`tiercache.pd_channel.PeerLink`;
 a producer with a different model, dtype, layout or chunk size is refused,

@@ -11,6 +11,9 @@ only those whose tags were not ready) and the producer tags guarding each chunk.
 * :func:`block_plan`, mode direct: each chunk from the producer's KV blocks
   (one tag per block), runs of consecutive blocks on both sides as one
   descriptor per region (:func:`tiercache.pd_blocks.paired_descs`).
+* :func:`head_plan`, a producer of another TP size (either mode): this rank's
+  KV heads' sub-runs of one producer rank's head-major pages
+  (:mod:`tiercache.pd_heads`), one descriptor per region, page and run of heads.
 
 Anything the producer names that we cannot read is a ``ChannelError`` (the
 keys fail and are recomputed); a producer whose KV pages differ from ours is an

@@ -21,7 +21,9 @@ prompt's partial last chunk of that many tokens (connector/prompt_tail.py): one
 slot, or the blocks it spans, ``ceil(tail_tokens / block_size)``; ``fingerprint`` is the
 producer's key namespace (model, dtype, layout, block and chunk size, TP
 size, ...). The consumer refuses a hand-off whose fingerprint differs from its
-own, naming every difference (:func:`mismatches`).
+own, naming every difference (:func:`mismatches`), except a TP size that
+differs by a ratio tiercache.pd_heads can read head by head
+(:func:`tiercache.pd_heads.tp_mismatches`).
 
 Pure data: no vLLM, no NIXL, no sockets.
 """

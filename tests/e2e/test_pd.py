@@ -262,8 +262,12 @@ def tp2_runs(request: pytest.FixtureRequest, tiny_model: pathlib.Path,
         {"prompts": TINY, "max_tokens": 1, "barrier": "heard"},  # a step after the reads: hears them
         {"prompts": TINY, "max_tokens": 1, "barrier": "end"},
     ]
-    producer = EngineRun({**engine_spec(producer_kv(side, p_metrics, mode), producer_rounds, p_metrics,
-                                        TP2["producer"]), **tp2}, tmp / "producer")
+    pkv = producer_kv(side, p_metrics, mode)
+    # no expiry tested here: the producer is released only after the consumer's process exited
+    # (a TP=2 engine's workers took 5 s to exit here), which crossed a 12 s deadline when loaded
+    pkv["kv_connector_extra_config"]["pd"]["handoff_timeout_s"] = 120.0
+    producer = EngineRun({**engine_spec(pkv, producer_rounds, p_metrics, TP2["producer"]), **tp2},
+                         tmp / "producer")
     consumer = EngineRun({**engine_spec(consumer_kv(c_metrics), [decode_round(A, params_a, "A")], c_metrics,
                                         TP2["consumer"]), **tp2}, tmp / "consumer")
     out: dict[str, Any] = {"mode": mode}
