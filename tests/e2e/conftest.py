@@ -59,11 +59,13 @@ def tiercache_kv_config(
 
 
 def engine_spec(model: pathlib.Path, chunk_tokens: int, lower_tiers: list[dict[str, Any]] | None,
-                rounds: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+                rounds: list[dict[str, Any]], kv_extra: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     """An engine runner spec: the model in float32, 32-token blocks, and (``lower_tiers`` not None)
-    tiercache with a host tier, those tiers and its metrics on a free port; ``spec`` adds or overrides keys."""
+    tiercache with a host tier, those tiers and its metrics on a free port (``kv_extra``: more
+    arguments of :func:`tiercache_kv_config`); ``spec`` adds or overrides keys."""
     port = free_port() if lower_tiers is not None else None
-    kv = tiercache_kv_config(chunk_tokens, lower_tiers, metrics_port=port) if lower_tiers is not None else None
+    kv = None if lower_tiers is None else \
+        tiercache_kv_config(chunk_tokens, lower_tiers, metrics_port=port, **(kv_extra or {}))
     return {
         "model_dir": str(model),
         "dtype": "float32",

@@ -22,7 +22,7 @@ import pytest
 
 from tiercache.testing.engine_runner import random_prompts, run_engine
 
-from .conftest import free_port, tiercache_kv_config
+from .conftest import engine_spec
 
 CHUNK = 128
 HOST_CHUNKS = 8  # one request's 4 chunks fit as staging, with slack for copies in flight; 24 do not
@@ -44,20 +44,8 @@ def lower_tier(kind: str, path: pathlib.Path) -> dict[str, Any]:
 
 
 def spec(model: pathlib.Path, kind: str | None, path: pathlib.Path | None) -> dict[str, Any]:
-    port = free_port() if kind else None
-    kv = None
-    if kind:
-        kv = tiercache_kv_config(CHUNK, [lower_tier(kind, path)],  # type: ignore[arg-type]
-                                 metrics_port=port, host_capacity=HOST_CHUNKS * CHUNK * 4096)
-    return {
-        "model_dir": str(model),
-        "dtype": "float32",
-        "block_size": 32,
-        "max_model_len": 1024,
-        "kv_transfer_config": kv,
-        "tiercache_metrics_url": f"http://127.0.0.1:{port}/metrics" if port else None,
-        "rounds": rounds(),
-    }
+    tiers = [lower_tier(kind, path)] if kind else None  # type: ignore[arg-type]
+    return engine_spec(model, CHUNK, tiers, rounds(), kv_extra={"host_capacity": HOST_CHUNKS * CHUNK * 4096})
 
 
 @pytest.fixture(scope="module")

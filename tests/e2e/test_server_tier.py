@@ -27,7 +27,7 @@ import pytest
 from tests.server.harness import ServerProcess
 from tiercache.testing.engine_runner import EngineRun, random_prompts, run_engine
 
-from .conftest import free_port, tiercache_kv_config
+from .conftest import engine_spec, free_port
 
 CHUNK = 128
 PROMPTS = random_prompts(3, 400, seed=41)
@@ -36,25 +36,10 @@ KILL_AFTER_S = 0.4  # into round 1: inside the first prompts' loads from the ser
 
 
 def spec(model: pathlib.Path, server: str | None, rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    port = free_port() if server else None
-    kv = None
-    if server:
-        kv = tiercache_kv_config(
-            CHUNK,
-            [{"name": "server", "backend": "server", "capacity": "1GiB",
-              "options": {"address": server, "data_path": "tcp", "timeout_s": 2,
-                          "backoff_max_s": 0.5}}],
-            metrics_port=port,
-        )
-    return {
-        "model_dir": str(model),
-        "dtype": "float32",
-        "block_size": 32,
-        "max_model_len": 1024,
-        "kv_transfer_config": kv,
-        "tiercache_metrics_url": f"http://127.0.0.1:{port}/metrics" if port else None,
-        "rounds": rounds,
-    }
+    tiers = None if server is None else [
+        {"name": "server", "backend": "server", "capacity": "1GiB",
+         "options": {"address": server, "data_path": "tcp", "timeout_s": 2, "backoff_max_s": 0.5}}]
+    return engine_spec(model, CHUNK, tiers, rounds)
 
 
 def plain(prompts: list[list[int]]) -> dict[str, Any]:
