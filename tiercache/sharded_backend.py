@@ -53,6 +53,7 @@ class ShardedBackend(Backend):
         self.slicer = slicer
         self.name = inner.name
         self.shared = inner.shared
+        self.verifies_integrity = inner.verifies_integrity  # frames name the shard key: a checked shard is ours
         self._jobs: dict[int, _Job] = {}
         self._done: list[JobResult] = []
         # Zero-copy when a shard is the whole chunk: a rank shard, or one head on this rank.
