@@ -99,7 +99,8 @@ class TierCacheScheduler(SchedulerFaults):
         # a chunk counts as held by a shared tier when every head's store shard is there
         shared = make_backends(config, geometry, self.keys.digest, rank=0, shared_only=True,
                                shards=geometry.engine.group_shard_set())
-        self._shared: SharedLookup | None = SharedLookup(shared) if shared else None
+        self._shared: SharedLookup | None = \
+            SharedLookup(shared, timeout_s=config.deadlines.lookup_s) if shared else None
         self.metrics = metrics or TierCacheMetrics()
         self.metrics.label(self.metrics.capacity_bytes, host.name).set(
             geometry.host_slots * geometry.slot_bytes

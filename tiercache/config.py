@@ -113,6 +113,12 @@ class DeadlineConfig(_Frozen):
         "its tier stalled: further jobs of that tier fail at once (misses, no waiting) until the late "
         "ones are reported. A demotion the backend never received is failed at once.",
     )
+    lookup_s: float = Field(
+        default=1.0, gt=0, le=60,
+        description="A shared tier (Redis, the cache server) that has not said which chunks it holds "
+        "within this many seconds holds none of them for that request (a miss); the request waits "
+        "for the answer at most this long.",
+    )
 
 
 class MetricsConfig(_Frozen):

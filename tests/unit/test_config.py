@@ -114,3 +114,11 @@ def test_host_tier_options_are_checked_and_prefault_defaults_to_unset() -> None:
         load_config(tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB", "options": {"prefualt": True}}])
     with pytest.raises(ConfigError, match="prefault"):
         load_config(tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB", "options": {"prefault": "maybe"}}])
+
+
+def test_deadlines_have_defaults_and_bounds() -> None:
+    d = config_from_extra({}).deadlines
+    assert (d.load_s, d.store_s, d.lookup_s) == (5.0, 30.0, 1.0)
+    assert config_from_extra({"deadlines": {"lookup_s": 0.25}}).deadlines.lookup_s == 0.25
+    with pytest.raises(ConfigError, match="lookup_s"):
+        config_from_extra({"deadlines": {"lookup_s": 0}})
