@@ -86,6 +86,20 @@ class EngineGeometry:
         return rank_shards(self.tp_size, 0, 0, self.pp_size)
 
 
+def parallel_rank() -> tuple[int, int]:
+    """This worker's (pp_rank, tp_rank), as vLLM keys handshake metadata; 0 for a group not set up
+    (the scheduler process, unit tests)."""
+    from vllm.distributed import parallel_state
+
+    def rank_in(group: str) -> int:
+        try:
+            return int(getattr(parallel_state, group)().rank_in_group)
+        except Exception:  # noqa: BLE001 - no such group in this process
+            return 0
+
+    return rank_in("get_pp_group"), rank_in("get_tp_group")
+
+
 def _global_kv_heads(vllm_config: VllmConfig) -> int:
     model = vllm_config.model_config
     if getattr(model, "use_mla", False):

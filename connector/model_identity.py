@@ -62,6 +62,8 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from tiercache.layout import block_dim_of, distinct_layers
+
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
@@ -320,10 +322,11 @@ def attention_identity_fields(
     fields["backends"] = _backend_names(vllm_config)
     num_blocks = int(kv_cache_config.num_blocks)
     heads = _local_kv_heads(kv_cache_config)
-    pages = sorted({_page_descriptor(t, num_blocks, heads) for t in _distinct(kv_caches)})
+    tensors = [t for _, t in distinct_layers(kv_caches)]
+    pages = sorted({_page_descriptor(t, num_blocks, heads) for t in tensors})
     fields["pages"] = ";".join(pages)
     block_size = int(vllm_config.cache_config.block_size)
-    ratios = {_kernel_ratio(t, num_blocks) for t in _distinct(kv_caches)}
+    ratios = {_kernel_ratio(t, num_blocks) for t in tensors}
     fields["kernel_block_size"] = ",".join(
         str(block_size // r) if r else "?" for r in sorted(ratios, key=lambda r: r or 0)
     )
@@ -363,23 +366,8 @@ def _local_kv_heads(kv_cache_config: "KVCacheConfig") -> set[int]:
     return heads
 
 
-def _distinct(kv_caches: Mapping[str, "torch.Tensor"]) -> list["torch.Tensor"]:
-    """One tensor per backing view (layers sharing a cache count once)."""
-    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Any] = {}
-    for t in kv_caches.values():
-        seen.setdefault((t.data_ptr(), tuple(t.shape), tuple(t.stride())), t)
-    return list(seen.values())
-
-
-def _block_dim(shape: tuple[int, ...], num_blocks: int) -> int | None:
-    for dim, size in enumerate(shape):
-        if num_blocks > 0 and size >= num_blocks and size % num_blocks == 0:
-            return dim
-    return None
-
-
 def _kernel_ratio(t: "torch.Tensor", num_blocks: int) -> int | None:
-    dim = _block_dim(tuple(t.shape), num_blocks)
+    dim = block_dim_of(tuple(t.shape), num_blocks)
     return None if dim is None else t.shape[dim] // num_blocks
 
 
@@ -391,7 +379,7 @@ def _page_descriptor(t: "torch.Tensor", num_blocks: int, local_heads: set[int]) 
     views); the stride order lists the dimensions outermost first.
     """
     shape = tuple(int(s) for s in t.shape)
-    block_dim = _block_dim(shape, num_blocks)
+    block_dim = block_dim_of(shape, num_blocks)
     dims: list[str] = [str(s) for s in shape]
     if block_dim is not None:
         dims[block_dim] = "B"

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from tiercache.config import ConfigError, TierCacheConfig
 from tiercache.handoff import fingerprint
 
-from tiercache.connector.engine_info import ChunkGeometry
+from tiercache.connector.engine_info import ChunkGeometry, parallel_rank
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.model_identity import attention_identity_fields, identity_digest
 
@@ -96,16 +96,6 @@ def namespace_digest(config: TierCacheConfig, geometry: ChunkGeometry) -> str:
     """The namespace digest every key starts with (hex), without the per-process nonce."""
     namespace = geometry.keyspace(config).namespace
     return dataclasses.replace(namespace, process_nonce="").digest().hex()
-
-
-def parallel_rank() -> Rank:
-    """This worker's (pp_rank, tp_rank); (0, 0) outside a parallel group."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        return int(get_pp_group().rank_in_group), int(get_tp_group().rank_in_group)
-    except Exception:
-        return 0, 0
 
 
 # --------------------------------------------------------------------------- comparing

@@ -31,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiercache.config import config_from_extra
 from tiercache.metrics import TierCacheMetrics
 
-from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry
+from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry, parallel_rank
 from tiercache.connector import guard
 from tiercache.connector.events import to_vllm_events
 from tiercache.connector.guard import contained
@@ -58,16 +58,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ROLES = ("kv_both", "kv_producer", "kv_consumer")
-
-
-def _worker_rank() -> int:
-    """This worker's rank in its TP group (0 when there is no group yet)."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return 0
 
 
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -114,7 +104,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = TierCacheWorker(
-                self.config, geometry, kv_cache_config.num_blocks, rank=_worker_rank(),
+                self.config, geometry, kv_cache_config.num_blocks, rank=parallel_rank()[1],
                 kv_role=transfer.kv_role,
             )
             # The handshake reaches this connector only when vLLM loaded it directly (a

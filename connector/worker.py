@@ -34,7 +34,7 @@ from tiercache.transfer import TransferEngine, TransferJobSpec
 from tiercache.connector.lower_tiers import make_backends
 
 from tiercache.backends.nixl_peer import PEER_TIER, NixlPeerTier
-from tiercache.connector.engine_info import ChunkGeometry
+from tiercache.connector.engine_info import ChunkGeometry, parallel_rank
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd import CONSUMER_ROLES, PRODUCER_ROLES, pd_settings
 from tiercache.connector.worker_faults import WorkerFaults
@@ -44,16 +44,6 @@ from tiercache.pd_channel import ProducerEndpoint
 from tiercache.pd_heads import page_heads
 
 logger = logging.getLogger(__name__)
-
-
-def _pipeline_rank() -> int:
-    """This worker's pipeline stage (0 without pipeline parallelism)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group
-
-        return int(get_pp_group().rank_in_group)
-    except Exception:  # noqa: BLE001 - no group yet (tests): one stage
-        return 0
 
 
 class TierCacheWorker(WorkerFaults):
@@ -156,7 +146,7 @@ class TierCacheWorker(WorkerFaults):
     def _store_shards(self, kv_caches: dict[str, torch.Tensor]) -> tuple[ShardSet, HeadSlicer | None]:
         """This rank's store shards for lower tiers: by KV head, or by rank if pages cannot be cut."""
         engine = self.geometry.engine
-        pp_rank = _pipeline_rank()
+        pp_rank = parallel_rank()[0]
         if engine.kv_heads > 0:
             try:
                 slicer = HeadSlicer.from_kv_caches(kv_caches, self.num_blocks, engine.local_kv_heads,

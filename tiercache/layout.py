@@ -146,11 +146,19 @@ def region_head_maps(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, loc
     return maps
 
 
-def _find_block_dim(name: str, shape: tuple[int, ...], num_blocks: int) -> int:
-    """The first dimension of size ``num_blocks`` or a multiple of it (kernel blocks)."""
+def block_dim_of(shape: Sequence[int], num_blocks: int) -> int | None:
+    """The first dimension of size ``num_blocks`` or a multiple of it (kernel blocks); None if none."""
     for dim, size in enumerate(shape):
         if size == num_blocks or (size > num_blocks > 0 and size % num_blocks == 0):
             return dim
+    return None
+
+
+def _find_block_dim(name: str, shape: tuple[int, ...], num_blocks: int) -> int:
+    """:func:`block_dim_of`, or a LayoutError naming the layer."""
+    dim = block_dim_of(shape, num_blocks)
+    if dim is not None:
+        return dim
     raise LayoutError(
         f"layer {name}: no dimension of size num_blocks={num_blocks} (or a multiple of it) "
         f"in shape {shape}"

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.shards import ShardError, _outer_heads_inner, global_heads
+from tiercache.shards import ShardError, outer_heads_inner, global_heads
 
 #: Test hook: the consumer reads another head's sub-run (negative control of the hetero-TP tests).
 WRONG_HEAD_ENV = "TIERCACHE_TEST_PD_WRONG_HEAD"
@@ -81,7 +81,7 @@ def page_heads_from_maps(head_maps: Sequence[np.ndarray], total: int, tp_size: i
     """:class:`PageHeads` from each region's byte-to-head map (:func:`tiercache.layout.region_head_maps`)."""
     inner: list[int] = []
     for r, head_map in enumerate(head_maps):
-        shape = (1, 1, int(head_map.size)) if local_heads == 1 else _outer_heads_inner(head_map, local_heads)
+        shape = (1, 1, int(head_map.size)) if local_heads == 1 else outer_heads_inner(head_map, local_heads)
         if shape is None or shape[0] != 1:
             what = "no head dimension" if shape is None else f"{shape[0]} x {local_heads} heads x {shape[2]} B"
             return PageHeads(total, tp_size, rank, (), f"region {r}: pages are not head-major ({what})")

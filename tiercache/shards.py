@@ -217,7 +217,7 @@ class _RegionCut:
             only = int(present[0])
             idx = tuple(np.arange(head_map.size) if h == only else np.empty(0, np.int64) for h in range(heads))
             return cls(None, idx)
-        shape = _outer_heads_inner(head_map, heads)
+        shape = outer_heads_inner(head_map, heads)
         if shape is not None:
             return cls(shape, ())
         return cls(None, tuple(np.flatnonzero(head_map == h) for h in range(heads)))
@@ -242,7 +242,7 @@ class _RegionCut:
             pages[:, self.indexes[head]] = data
 
 
-def _outer_heads_inner(head_map: np.ndarray, heads: int) -> tuple[int, int, int] | None:
+def outer_heads_inner(head_map: np.ndarray, heads: int) -> tuple[int, int, int] | None:
     """``(outer, heads, inner)`` if the page is that many bytes with the head in the middle."""
     size = head_map.size
     if size % heads:

@@ -82,12 +82,6 @@ class _Handed:
     digests: dict[bytes, int] | None = None  # a checked put's chunks
 
 
-def verifies_integrity(backend: Backend) -> bool:
-    """Whether the backend (or the one a wrapper such as ShardedBackend holds) checks its own loads."""
-    inner = getattr(backend, "inner", backend)
-    return bool(getattr(inner, "verifies_integrity", False) or getattr(backend, "verifies_integrity", False))
-
-
 class TierIO:
     def __init__(self, backends: dict[str, Backend], slab: torch.Tensor,
                  planes: Sequence[torch.Tensor] | None = None, blocks_per_chunk: int = 1) -> None:
@@ -102,7 +96,8 @@ class TierIO:
         self.lanes = {name: DeleteLane(name, b, self._locks[name]) for name, b in backends.items()}
         self._deferred: dict[str, list[_Deferred]] = {name: [] for name in backends}
         self._handed: dict[str, dict[int, _Handed]] = {name: {} for name in backends}  # with the backend now
-        self._digests = {name: ChunkDigests() for name, b in backends.items() if not verifies_integrity(b)}
+        # a ShardedBackend carries its inner backend's verifies_integrity
+        self._digests = {name: ChunkDigests() for name, b in backends.items() if not b.verifies_integrity}
         self._overdue: dict[str, set[int]] = {name: set() for name in backends}  # ... and past a deadline
         self._stuck_lane: dict[str, int] = {}  # tier -> lane batch that made a job miss its deadline
 
