@@ -59,12 +59,34 @@ class ReadPlan:
     path: str  # transfer-metric path
 
 
-def slot_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment],
-              chunks: Sequence[PeerChunk], chunk_bytes: int) -> ReadPlan:
-    """Mode via_host: each chunk from the producer's host slot, one tag per slot."""
+def _slots(link: PeerLink, chunks: Sequence[PeerChunk]) -> list[int]:
+    """The producer host slots a via_host hand-off names, each checked against its slab."""
     slots = [c.slot for c in chunks]
     if any(not 0 <= s < link.num_slots for s in slots):
         raise ChannelError(f"producer {link.address}: hand-off names a slot outside its {link.num_slots}")
+    return slots
+
+
+def _source_blocks(link: PeerLink, theirs: BlockRegions, segments: Sequence[CopySegment],
+                   chunks: Sequence[PeerChunk]) -> list[list[int]]:
+    """Mode direct: per chunk, the producer's KV blocks our segment's positions come from (checked)."""
+    sources: list[list[int]] = []
+    for seg, chunk in zip(segments, chunks):
+        src_blocks = list(chunk.blocks[seg.first_block:seg.first_block + len(seg.block_ids)])
+        if len(src_blocks) != len(seg.block_ids):
+            raise ChannelError(f"producer {link.address}: hand-off names too few blocks for a chunk")
+        sources.append(src_blocks)
+    try:
+        theirs.check_blocks([b for blocks in sources for b in blocks])
+    except ValueError as exc:
+        raise ChannelError(f"producer {link.address}: {exc}") from exc
+    return sources
+
+
+def slot_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment],
+              chunks: Sequence[PeerChunk], chunk_bytes: int) -> ReadPlan:
+    """Mode via_host: each chunk from the producer's host slot, one tag per slot."""
+    slots = _slots(link, chunks)
     if link.slot_bytes != chunk_bytes:
         raise ChannelError(f"producer {link.address}: {link.slot_bytes}-byte slots, ours {chunk_bytes}")
     planes = link.slot_planes
@@ -92,16 +114,7 @@ def block_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegmen
     why = ours.mismatch(theirs)
     if why:
         raise IncompatibleBlocks(why)
-    sources: list[list[int]] = []
-    for seg, chunk in zip(segments, chunks):
-        src_blocks = list(chunk.blocks[seg.first_block:seg.first_block + len(seg.block_ids)])
-        if len(src_blocks) != len(seg.block_ids):
-            raise ChannelError(f"producer {link.address}: hand-off names too few blocks for a chunk")
-        sources.append(src_blocks)
-    try:
-        theirs.check_blocks([b for blocks in sources for b in blocks])
-    except ValueError as exc:
-        raise ChannelError(f"producer {link.address}: {exc}") from exc
+    sources = _source_blocks(link, theirs, segments, chunks)
 
     def descs(idx: list[int]) -> tuple[np.ndarray, np.ndarray]:
         return paired_descs(ours, theirs, [b for i in idx for b in segments[i].block_ids],
@@ -145,22 +158,11 @@ def head_plan(ours: BlockRegions, our_heads: PageHeads, link: PeerLink, runs: Se
         if list(theirs.pages) != their_pages:
             raise IncompatibleBlocks(f"KV page bytes per region: producer {list(theirs.pages)[:4]}..., "
                                      f"expected {their_pages[:4]}... for its {len(theirs_heads.heads)} heads")
-        tag_index: list[list[int]] = []
-        for seg, chunk in zip(segments, chunks):
-            src = list(chunk.blocks[seg.first_block:seg.first_block + len(seg.block_ids)])
-            if len(src) != len(seg.block_ids):
-                raise ChannelError(f"producer {link.address}: hand-off names too few blocks for a chunk")
-            try:
-                theirs.check_blocks(src)
-            except ValueError as exc:
-                raise ChannelError(f"producer {link.address}: {exc}") from exc
-            tag_index.append(src)
-            starts.append([[a + b * s for b in src] for a, s in zip(theirs.addrs, theirs.strides)])
+        tag_index = _source_blocks(link, theirs, segments, chunks)
+        starts.extend([[a + b * s for b in src] for a, s in zip(theirs.addrs, theirs.strides)] for src in tag_index)
         tags_addr, tag_count, mem, path = link.block_tags_addr, theirs.num_blocks, theirs.mem_type, PEER_DEVICE_TO_DEVICE
     else:
-        slots = [c.slot for c in chunks]
-        if any(not 0 <= s < link.num_slots for s in slots):
-            raise ChannelError(f"producer {link.address}: hand-off names a slot outside its {link.num_slots}")
+        slots = _slots(link, chunks)
         if link.slot_bytes != sum(their_pages) * bpc:
             raise ChannelError(f"producer {link.address}: {link.slot_bytes}-byte slots, expected "
                                f"{sum(their_pages) * bpc} for its {len(theirs_heads.heads)} heads")
