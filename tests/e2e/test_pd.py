@@ -249,6 +249,30 @@ def test_mismatched_consumer_is_refused_naming_the_difference(runs: dict[str, An
 TP2 = {"producer": {"VLLM_CPU_OMP_THREADS_BIND": "0|0"}, "consumer": {"VLLM_CPU_OMP_THREADS_BIND": "1|1"}}
 
 
+def handoff_rounds(prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """A producer's rounds: hand ``prompts`` off; at barrier ``heard``, a step after its
+    consumers' reads (it hears them there); then wait at ``end``."""
+    return [
+        {"prompts": prompts, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        {"prompts": TINY, "max_tokens": 1, "barrier": "heard"},
+        {"prompts": TINY, "max_tokens": 1, "barrier": "end"},
+    ]
+
+
+def decoded(consumer: EngineRun, barrier: str, timeout_s: float) -> dict[str, Any]:
+    """Let a consumer waiting at ``barrier`` decode; its result."""
+    consumer.wait_for(barrier, timeout_s=timeout_s)
+    consumer.release(barrier)
+    return consumer.result(timeout_s=timeout_s)
+
+
+def round_after_the_reads(producer: EngineRun) -> dict[str, Any]:
+    """A :func:`handoff_rounds` producer's round after its consumers' reads."""
+    producer.release("heard")
+    producer.wait_for("end", timeout_s=120)
+    return producer.partial("end")["rounds"][1]
+
+
 @pytest.fixture(scope="module", params=["via_host", "direct"])
 def tp2_runs(request: pytest.FixtureRequest, tiny_model: pathlib.Path,
              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -257,11 +281,7 @@ def tp2_runs(request: pytest.FixtureRequest, tiny_model: pathlib.Path,
     side, p_metrics, c_metrics = free_port(), free_port(), free_port()
     params_a = tmp / "params_a.json"
     tp2 = {"llm_kwargs": {"tensor_parallel_size": 2}, "model_dir": str(tiny_model)}
-    producer_rounds = [
-        {"prompts": A, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-        {"prompts": TINY, "max_tokens": 1, "barrier": "heard"},  # a step after the reads: hears them
-        {"prompts": TINY, "max_tokens": 1, "barrier": "end"},
-    ]
+    producer_rounds = handoff_rounds(A)
     pkv = producer_kv(side, p_metrics, mode)
     # no expiry tested here: the producer is released only after the consumer's process exited
     # (a TP=2 engine's workers took 5 s to exit here), which crossed a 12 s deadline when loaded
@@ -275,12 +295,8 @@ def tp2_runs(request: pytest.FixtureRequest, tiny_model: pathlib.Path,
         producer.wait_for("heard", timeout_s=400)
         params_a.write_text(json.dumps([r["kv_transfer_params"] for r in
                                         producer.partial("heard")["rounds"][0]["requests"]]))
-        consumer.wait_for("A", timeout_s=400)
-        consumer.release("A")
-        out["consumer"] = consumer.result(timeout_s=400)
-        producer.release("heard")
-        producer.wait_for("end", timeout_s=120)
-        out["producer_r1"] = producer.partial("end")["rounds"][1]
+        out["consumer"] = decoded(consumer, "A", timeout_s=400)
+        out["producer_r1"] = round_after_the_reads(producer)
     finally:
         producer.kill()
         consumer.kill()

@@ -31,12 +31,14 @@ from tiercache.testing.engine_runner import EngineRun, random_prompts
 
 from .conftest import free_port
 from .test_pd import (
-    TINY,
     consumer_kv,
     decode_round,
+    decoded,
     engine_spec,
+    handoff_rounds,
     loaded_tokens,
     producer_kv,
+    round_after_the_reads,
     sample,
     tokens,
     vllm_counter,
@@ -82,11 +84,7 @@ def runs(request: pytest.FixtureRequest, tiny_model: pathlib.Path,
     params_a, params_w = tmp / "params_a.json", tmp / "params_w.json"
     pkv = producer_kv(side, p_metrics, mode)
     pkv["kv_connector_extra_config"]["pd"]["handoff_timeout_s"] = HANDOFF_TIMEOUT_S
-    producer_rounds = [
-        {"prompts": prompts, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-        {"prompts": TINY, "max_tokens": 1, "barrier": "heard"},  # a step after the reads: hears them
-        {"prompts": TINY, "max_tokens": 1, "barrier": "end"},
-    ]
+    producer_rounds = handoff_rounds(prompts)
     producer = EngineRun({**engine_spec(pkv, producer_rounds, p_metrics, env("producer", ptp)),
                           **tp_spec(tiny_model, ptp)}, tmp / "producer")
     consumer = EngineRun({**engine_spec(consumer_kv(c_metrics), [decode_round(A, params_a, "A")], c_metrics,
@@ -98,19 +96,13 @@ def runs(request: pytest.FixtureRequest, tiny_model: pathlib.Path,
         params = [r["kv_transfer_params"] for r in producer.partial("heard")["rounds"][0]["requests"]]
         params_a.write_text(json.dumps(params[:len(A)]))
         params_w.write_text(json.dumps(params[len(A):]))
-        consumer.wait_for("A", timeout_s=500)
-        consumer.release("A")
-        out["consumer"] = consumer.result(timeout_s=500)
+        out["consumer"] = decoded(consumer, "A", timeout_s=500)
         if control:  # the same hand-off path, reading the other head's sub-run
             wrong = EngineRun({**engine_spec(consumer_kv(w_metrics), [decode_round(WRONG, params_w, "W")], w_metrics,
                                              env("consumer", ctp, TIERCACHE_TEST_PD_WRONG_HEAD="1")),
                                **tp_spec(tiny_model, ctp)}, tmp / "wrong")
-            wrong.wait_for("W", timeout_s=500)
-            wrong.release("W")
-            out["wrong"] = wrong.result(timeout_s=500)
-        producer.release("heard")
-        producer.wait_for("end", timeout_s=120)
-        out["producer_r1"] = producer.partial("end")["rounds"][1]
+            out["wrong"] = decoded(wrong, "W", timeout_s=500)
+        out["producer_r1"] = round_after_the_reads(producer)
     finally:
         producer.kill()
         consumer.kill()
