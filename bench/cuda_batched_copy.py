@@ -5,7 +5,7 @@ Issue 19's question, measured before the CUDA copier is rebuilt: how fast can
 and a contiguous pinned host buffer (a chunk slot)?
 
 * ``per_page``: one ``copy_(non_blocking=True)`` per page, what
-  ``tiercache/device.py`` issues today (runs of consecutive pages merged, none
+  ``tiercache/transfer/device.py`` issues today (runs of consecutive pages merged, none
   here: the page ids are a random permutation);
 * ``gather``: the pages gathered on the GPU into a contiguous device staging
   buffer by one ``index_select`` kernel, then one device-to-host copy (store);

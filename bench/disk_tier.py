@@ -3,7 +3,7 @@
 What is measured, for each chunk size, fsync policy and file reuse setting:
 
 * ``store``: ``--total`` bytes of chunks written through
-  :class:`tiercache.backends.disk.DiskBackend` (``submit_put`` of jobs of
+  :class:`tiercache.backends.disk.backend.DiskBackend` (``submit_put`` of jobs of
   ``--job-chunks`` chunks, all submitted at once, polled to completion): one
   framed, checksummed file per chunk, written under a temporary (or free-file)
   name and renamed;
@@ -62,7 +62,7 @@ from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
-from tiercache.backends.disk import DiskBackend, DiskSettings
+from tiercache.backends.disk.backend import DiskBackend, DiskSettings
 from tqdm import tqdm
 
 from bench.common import describe_machine, machine_info, print_table, write_result

@@ -1,7 +1,7 @@
 """Device <-> host-tier throughput of tiercache's real copy path, next to a plain memcpy.
 
 What is measured: stores (engine KV blocks -> host-tier chunk slots) and loads
-(slots -> engine blocks) through :class:`tiercache.transfer.TransferEngine`, i.e.
+(slots -> engine blocks) through :class:`tiercache.transfer.engine.TransferEngine`, i.e.
 the copier the connector uses, over a :class:`tiercache.layout.KVBlockLayout`
 of a realistic engine KV cache: ``--layers`` separately allocated tensors of
 shape ``(num_blocks, 2, block_size, kv_heads, head_dim)`` (vLLM's FlashInfer
@@ -46,10 +46,10 @@ import torch
 from tqdm import tqdm
 
 from bench.common import describe_machine, machine_info, print_table, write_result
-from tiercache.device import CopySegment, Direction, default_copy_threads
-from tiercache.host_gather import HostSegmentCopier
+from tiercache.transfer.device import CopySegment, Direction, default_copy_threads
+from tiercache.transfer.host_gather import HostSegmentCopier
 from tiercache.layout import KVBlockLayout, block_runs
-from tiercache.transfer import TransferEngine, TransferJobSpec
+from tiercache.transfer.engine import TransferEngine, TransferJobSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SIZES = "64K,128K,256K,512K,1M,2M,4M"
@@ -105,7 +105,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add(
         "--per-run-copies",
         action="store_true",
-        help="force the generic per-run copy_ path (tiercache.device.copy_segments) on the CPU, "
+        help="force the generic per-run copy_ path (tiercache.transfer.device.copy_segments) on the CPU, "
         "for before/after comparisons",
     )
     add("--out", default="host_tier", help="result name under bench/results/ (default %(default)s)")

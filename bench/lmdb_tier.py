@@ -1,10 +1,10 @@
-"""LMDB tier throughput (backends/lmdb.py) next to raw lmdb put/get of the same values.
+"""LMDB tier throughput (backends/lmdb/backend.py) next to raw lmdb put/get of the same values.
 
 What is measured, per chunk size: moving ``--total`` bytes of chunks into the
 tier (puts) and back out into caller buffers (gets), in jobs of ``--batch``
 chunks.
 
-* ``tier``: :class:`tiercache.backends.lmdb.LMDBBackend` through its public
+* ``tier``: :class:`tiercache.backends.lmdb.backend.LMDBBackend` through its public
   API: ``submit_put``/``submit_get`` of every job at once, then ``poll`` every
   ``--poll-ms`` until all have reported. That includes the framing, the
   xxh3_64 checksum of every put and its verification on every get, the budget
@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 from bench.common import describe_machine, machine_info, print_table, write_result
 from tiercache.backend import BackendContext
-from tiercache.backends.lmdb import (
+from tiercache.backends.lmdb.backend import (
     LMDBBackend,
     LMDBSettings,
     database_name,

@@ -160,10 +160,10 @@ class ManagerAdapter(Protocol):
 
 
 class TiercacheAdapter:
-    """tiercache.manager.OffloadingManager with one host tier."""
+    """tiercache.manager.offloading.OffloadingManager with one host tier."""
 
     def __init__(self, policy: str, capacity: int, trace: Sequence[TraceRequest]) -> None:
-        from tiercache.manager import OffloadingManager, TierSpec
+        from tiercache.manager.offloading import OffloadingManager, TierSpec
 
         self.manager = OffloadingManager([TierSpec("host", capacity, policy)])
         self.evicted = 0

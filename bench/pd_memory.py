@@ -4,7 +4,7 @@ Why: a P/D consumer READs from the producer's host slab (mode via_host: an
 ``mmap`` advised ``MADV_HUGEPAGE`` before its first touch, so it faults in 2 MiB
 pages) or from vLLM's KV tensors (mode direct: a ``torch.zeros`` touched on
 4 KiB pages, which tiercache collapses into 2 MiB pages in place at start-up,
-``MADV_COLLAPSE``, tiercache/huge_pages.py). This bench asks how much the kind
+``MADV_COLLAPSE``, tiercache/transfer/huge_pages.py). This bench asks how much the kind
 of source memory alone moves a raw READ, with no engine and no tiercache code
 on the data path. One producer process (core 0) holds, each ``--handoffs``
 hand-offs long (``--handoff-mib`` a whole number, the slab's slots being 1 MiB):
@@ -60,8 +60,8 @@ def _source_buffers(nbytes: int) -> tuple[dict[str, np.ndarray], str]:
     """The four kinds of memory, ``nbytes`` each (the torch ones kept alive through their NumPy views)."""
     import torch
 
-    from tiercache.backends.cpu import HostTier
-    from tiercache.huge_pages import collapse_tensors
+    from tiercache.transfer.host_slab import HostTier
+    from tiercache.transfer.huge_pages import collapse_tensors
 
     host = HostTier(nbytes >> 20, 1 << 20, pin_memory=False, prefault=True, huge_pages=True)
     slab = host.slab.numpy().reshape(-1)  # the view keeps the slab alive

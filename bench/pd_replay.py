@@ -55,7 +55,7 @@ def _pin(core: int) -> None:
 
 def _kv_cache() -> tuple[dict[str, torch.Tensor], Any]:
     """A vLLM-shaped KV cache ((2, blocks, 32, 8, 64) float32 per layer: 64 KiB pages), on huge pages."""
-    from tiercache.huge_pages import collapse_tensors
+    from tiercache.transfer.huge_pages import collapse_tensors
     from tiercache.layout import KVBlockLayout
 
     kv = {f"layer.{i}": torch.zeros((REGIONS_PER_LAYER, BLOCKS, 32, 8, 64)) for i in range(LAYERS)}
@@ -66,10 +66,10 @@ def _kv_cache() -> tuple[dict[str, torch.Tensor], Any]:
 def _producer(conn: Any, source: str) -> None:
     """Child: KV (and slab) registered with NIXL; sends its agent and block description; waits."""
     _pin(PRODUCER_CORE)
-    from tiercache.backends.cpu import HostTier
-    from tiercache.device import CopyJob, CopySegment, copy_segments
+    from tiercache.transfer.host_slab import HostTier
+    from tiercache.transfer.device import CopyJob, CopySegment, copy_segments
     from tiercache.layout import slab_planes
-    from tiercache.pd_blocks import BlockRegions
+    from tiercache.pd.blocks import BlockRegions
 
     kv, layout = _kv_cache()
     for tensor in kv.values():
@@ -109,7 +109,7 @@ def _read_all(agent: Any, handle: Any) -> None:
 
 def replay(source: str, reads: int, raw_chunks: int, spinner: bool) -> dict[str, float]:
     """Per-READ times (ms) of tiercache-shaped READs, and of raw READs of the same bytes."""
-    from tiercache.pd_blocks import BlockRegions, paired_descs
+    from tiercache.pd.blocks import BlockRegions, paired_descs
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

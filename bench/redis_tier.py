@@ -1,10 +1,10 @@
-"""Redis tier throughput (backends/redis.py) next to raw pipelined redis-py moving the same bytes.
+"""Redis tier throughput (backends/redis/backend.py) next to raw pipelined redis-py moving the same bytes.
 
 What is measured, per chunk size: moving ``--total`` bytes of chunks into a
 redis-server this benchmark starts on a loopback port (puts) and back out
 into caller buffers (gets), in pipelines of ``--batch`` chunks.
 
-* ``tier``: :class:`tiercache.backends.redis.RedisBackend` through its public
+* ``tier``: :class:`tiercache.backends.redis.backend.RedisBackend` through its public
   API: ``submit_put``/``submit_get`` of every job (``--batch`` chunks, one
   pipeline each) at once, then ``poll`` every ``--poll-ms`` until all have
   reported. That includes the framing and xxh3_64 checksum of every put, its
@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import redis
 from redis.connection import PythonRespSerializer
-from tiercache.backends.redis import RedisBackend, RedisSettings, redis_key
+from tiercache.backends.redis.backend import RedisBackend, RedisSettings, redis_key
 from tqdm import tqdm
 
 from bench.common import describe_machine, machine_info, print_table, write_result

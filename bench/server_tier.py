@@ -17,7 +17,7 @@ TCP (``tiercache serve`` in a subprocess, ``nixl: off``):
   header, msgpack body of keys and sizes, the server's manager (slot
   reservation, eviction order, pins), values received into and sent from its
   host slots.
-* ``tier``: the engine's path, :class:`tiercache.backends.server.ServerBackend`
+* ``tier``: the engine's path, :class:`tiercache.backends.server.backend.ServerBackend`
   (``connections: 1``) through submit_put/submit_get and poll: adds the I/O
   thread hand-off and job bookkeeping.
 
@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 import yaml
-from tiercache.backends.server import ServerBackend, ServerSettings
+from tiercache.backends.server.backend import ServerBackend, ServerSettings
 
 from bench.common import describe_machine, machine_info, print_table, repeat_nixl_transfer, write_result
 from tiercache.backend import BackendContext

@@ -2,7 +2,7 @@
 
 Every chunk a TP rank with more than one KV head writes to a lower tier is cut
 into one shard per head (:class:`tiercache.shards.HeadSlicer`, what
-:class:`tiercache.sharded_backend.ShardedBackend` does on every put), and
+:class:`tiercache.tiers.sharded_backend.ShardedBackend` does on every put), and
 joined back from them on every get. This measures both against the ceiling
 measured in the same run: ``numpy.copyto`` of the same bytes (one chunk into
 another buffer), as a ratio.

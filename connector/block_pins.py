@@ -9,7 +9,7 @@ blocks (:meth:`BlockPins.pin`, vLLM's ``BlockPool.touch``, as a prefix-cache hit
 does) and lets vLLM free the request at once: the blocks stay allocated, counted
 in the KV-cache usage, and out of the free queue, while the engine may go idle.
 :meth:`BlockPins.unpin` drops the reference (``BlockPool.free_blocks``) once every
-worker has cleared the blocks' tags (connector/pd.py).
+worker has cleared the blocks' tags (connector/pd/scheduler_role.py).
 
 Scheduler thread only, like everything on vLLM's block pool.
 """

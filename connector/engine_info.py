@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, UniformTypeKVCacheSpecs
 
-from tiercache.config import ConfigError, TierCacheConfig
+from tiercache.config.schema import ConfigError, TierCacheConfig
 from tiercache.keys import KeySpace, Namespace
 from tiercache.shards import ShardSet, group_shards, head_shards, rank_shards
 

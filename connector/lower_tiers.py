@@ -4,7 +4,7 @@ Scheduler side: how many chunks each lower tier holds (its byte budget over the
 backend's per-chunk footprint), and, at start-up, which chunks a persistent tier
 still holds from an earlier run (``Backend.recover``, adopted into the manager).
 Worker side: the backend objects themselves, one per lower tier per worker.
-Every backend is wrapped in a :class:`~tiercache.sharded_backend.ShardedBackend`:
+Every backend is wrapped in a :class:`~tiercache.tiers.sharded_backend.ShardedBackend`:
 the medium holds store shards named by KV head (tiercache/shards.py), so TP
 ranks never read each other's bytes and engines of any TP size share chunks.
 A tier that cannot be opened (an unwritable directory, a bad option) is a
@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 
 from tiercache.backend import Backend, BackendContext
-from tiercache.config import ConfigError, TierCacheConfig
-from tiercache.directory import TierSpec
-from tiercache.manager import OffloadingManager
-from tiercache.plugins import backend_class, create_backend
-from tiercache.sharded_backend import ShardedBackend
+from tiercache.config.schema import ConfigError, TierCacheConfig
+from tiercache.manager.directory import TierSpec
+from tiercache.manager.offloading import OffloadingManager
+from tiercache.tiers.registry import backend_class, create_backend
+from tiercache.tiers.sharded_backend import ShardedBackend
 from tiercache.shards import HEAD_SHARD, HeadSlicer, ShardSet
 
 from tiercache.connector.engine_info import ChunkGeometry

@@ -15,10 +15,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from tiercache.backends.nixl_peer import PeerChunk
-from tiercache.connector.pd import DirectHold
-from tiercache.pipeline import DemoteJobSpec
-from tiercache.transfer import TransferJobSpec
+from tiercache.pd.peer_tier import PeerChunk
+from tiercache.connector.pd.scheduler_role import DirectHold
+from tiercache.transfer.pipeline import DemoteJobSpec
+from tiercache.transfer.engine import TransferJobSpec
 
 
 @dataclass

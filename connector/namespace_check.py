@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
-from tiercache.config import ConfigError, TierCacheConfig
-from tiercache.handoff import fingerprint
+from tiercache.config.schema import ConfigError, TierCacheConfig
+from tiercache.pd.handoff import fingerprint
 
 from tiercache.connector.engine_info import ChunkGeometry, parallel_rank
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata

@@ -19,22 +19,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiercache import faults
-from tiercache.config import TierCacheConfig
-from tiercache.device import CopySegment
+from tiercache.config.schema import TierCacheConfig
+from tiercache.transfer.device import CopySegment
 from tiercache.events import ChunkEvent
-from tiercache.manager import OffloadingManager, TierSpec
+from tiercache.manager.offloading import OffloadingManager, TierSpec
 from tiercache.metrics import TierCacheMetrics
-from tiercache.pipeline import DemoteJobSpec
-from tiercache.shared_lookup import SharedLookup
-from tiercache.transfer import TransferJobSpec
+from tiercache.transfer.pipeline import DemoteJobSpec
+from tiercache.tiers.shared_lookup import SharedLookup
+from tiercache.transfer.engine import TransferJobSpec
 
 from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
 
-from tiercache.backends.nixl_peer import PEER_TIER, PeerChunk
+from tiercache.pd.peer_tier import PEER_TIER, PeerChunk
 from tiercache.connector.block_pins import VllmBlockPins
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.connector.pd import CONSUMER_ROLES, PDScheduler, pd_settings
+from tiercache.connector.pd.scheduler_role import CONSUMER_ROLES, PDScheduler, pd_settings
 from tiercache.connector.scheduler_faults import SchedulerFaults
 
 if TYPE_CHECKING:
@@ -433,7 +433,7 @@ class TierCacheScheduler(SchedulerFaults):
     def request_finished(self, request: "Request", block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
         # Stores for the request's last step were planned in that step's metadata and
         # are fenced by the worker before the next forward pass: nothing to delay
-        # (a P/D hand-off in mode direct pins its blocks instead: connector/pd.py).
+        # (a P/D hand-off in mode direct pins its blocks instead: connector/pd/scheduler_role.py).
         self._reqs.pop(request.request_id, None)
         if self._shared is not None:
             self._shared.forget(request.request_id)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from tiercache.connector.metadata import TierCacheConnectorMetadata
 
 from tiercache import faults
-from tiercache.transfer import TransferJobSpec
+from tiercache.transfer.engine import TransferJobSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

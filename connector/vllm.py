@@ -8,7 +8,7 @@ Enable it with::
                            "kv_connector_extra_config": {"config_file": "configs/cpu.yaml"}}'
 
 Other keys of ``kv_connector_extra_config`` override the YAML file (see
-``tiercache.config``). The connector runs on vLLM's CPU platform and on CUDA.
+``tiercache.config.schema``). The connector runs on vLLM's CPU platform and on CUDA.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.config import config_from_extra
+from tiercache.config.schema import config_from_extra
 from tiercache.metrics import TierCacheMetrics
 
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry, parallel_rank

@@ -23,25 +23,25 @@ import torch
 from tiercache import faults
 from tiercache.backend import JobResult
 
-from tiercache.config import ConfigError, TierCacheConfig
-from tiercache.huge_pages import collapse_tensors
+from tiercache.config.schema import ConfigError, TierCacheConfig
+from tiercache.transfer.huge_pages import collapse_tensors
 from tiercache.layout import KVBlockLayout, LayoutError, SlotLayout
 from tiercache.shards import HeadSlicer, ShardError, ShardSet
-from tiercache.pipeline import WorkerPipeline
-from tiercache.tier_io import TierIO
-from tiercache.transfer import TransferEngine, TransferJobSpec
+from tiercache.transfer.pipeline import WorkerPipeline
+from tiercache.tiers.tier_io import TierIO
+from tiercache.transfer.engine import TransferEngine, TransferJobSpec
 
 from tiercache.connector.lower_tiers import make_backends
 
-from tiercache.backends.nixl_peer import PEER_TIER, NixlPeerTier
+from tiercache.pd.peer_tier import PEER_TIER, NixlPeerTier
 from tiercache.connector.engine_info import ChunkGeometry, parallel_rank
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.connector.pd import CONSUMER_ROLES, PRODUCER_ROLES, pd_settings
+from tiercache.connector.pd.scheduler_role import CONSUMER_ROLES, PRODUCER_ROLES, pd_settings
 from tiercache.connector.worker_faults import WorkerFaults
-from tiercache.handoff import fingerprint
-from tiercache.pd_blocks import BlockRegions
-from tiercache.pd_channel import ProducerEndpoint
-from tiercache.pd_heads import page_heads
+from tiercache.pd.handoff import fingerprint
+from tiercache.pd.blocks import BlockRegions
+from tiercache.pd.channel import ProducerEndpoint
+from tiercache.pd.heads import page_heads
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class TierCacheWorker(WorkerFaults):
         self.config = config
         self.kv_role = kv_role
         self.pd = pd_settings(kv_role, config.pd)
-        # P/D (see connector/pd.py): the producer's side channel, the consumer's peer tier.
+        # P/D (see connector/pd/scheduler_role.py): the producer's side channel, the consumer's peer tier.
         self.handoff: ProducerEndpoint | None = None
         self.peer: NixlPeerTier | None = None
         self._stores: dict[int, TransferJobSpec] = {}
@@ -110,7 +110,7 @@ class TierCacheWorker(WorkerFaults):
             # the handshake also checks that both sides' NIXL agents can talk to each other
             fp = {**fingerprint(keyspace.namespace), "nixl_error_handling": pd.nixl_error_handling}
             blocks = BlockRegions.from_layout(layout)
-            engine = self.geometry.engine  # pages by KV head: hand-offs between TP sizes (tiercache.pd_heads)
+            engine = self.geometry.engine  # pages by KV head: hand-offs between TP sizes (tiercache.pd.heads)
             heads = page_heads(kv_caches, self.num_blocks, engine.kv_heads, engine.tp_size, self.rank,
                                engine.local_kv_heads)
             if self.kv_role in PRODUCER_ROLES:

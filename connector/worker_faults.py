@@ -13,7 +13,7 @@ so its request never waits forever) and to the scheduler's manager:
   (device copies in flight are awaited first), and its manager report comes
   from the pipeline when its reads end (the backend owns the staging slots
   until then);
-* *past its deadline*: the pipeline does it all (tiercache/pipeline.py).
+* *past its deadline*: the pipeline does it all (tiercache/transfer/pipeline.py).
 
 :meth:`fail_loads` and :meth:`fail_saves` are what the connector's facade
 calls when ``start_load_kv`` or ``wait_for_save`` raised anyway.
@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache import faults
 from tiercache.backend import JobResult
-from tiercache.pipeline import DemoteJobSpec
-from tiercache.transfer import TransferJobSpec
+from tiercache.transfer.pipeline import DemoteJobSpec
+from tiercache.transfer.engine import TransferJobSpec
 
 if TYPE_CHECKING:
     from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 
-    from tiercache.pipeline import WorkerPipeline
+    from tiercache.transfer.pipeline import WorkerPipeline
 
 
 class WorkerFaults:

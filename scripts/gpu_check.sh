@@ -87,7 +87,7 @@ module, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 EOF
 
-timeout 60 "$PY" "$SHIM" tiercache.cuda_copier && echo "import check: tiercache.cuda_copier ok"
+timeout 60 "$PY" "$SHIM" tiercache.transfer.cuda_copier && echo "import check: tiercache.transfer.cuda_copier ok"
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=60) || PER_TEST=()
 
 step "tests/gpu"

@@ -75,10 +75,10 @@ class Backend(ABC):
     shared: ClassVar[bool] = False
     # True for media that frame every chunk and verify it on load (tiercache.integrity), as the
     # built-in lower tiers do. Otherwise the worker checks each loaded chunk against the digest
-    # of what it wrote itself (tiercache/chunk_digests.py).
+    # of what it wrote itself (tiercache/tiers/chunk_digests.py).
     verifies_integrity: ClassVar[bool] = False
 
-    # Plugins are constructed as ``cls(settings, context)`` by tiercache.plugins;
+    # Plugins are constructed as ``cls(settings, context)`` by tiercache.tiers.registry;
     # ``settings`` is an instance of ``settings_model`` built from the tier's options.
 
     @classmethod

@@ -38,7 +38,7 @@ CONNECTOR_EXCEPTION = "connector_exception"  # a connector method raised (turned
 READER_EXCEPTION = "reader_exception"  # the P/D reader caught an unexpected exception
 DELETE_DROPPED = "delete_dropped"  # the housekeeping queue was full: deletes dropped
 LOOKUP_TIMEOUT = "lookup_timeout"  # a shared tier did not answer a lookup in time
-INTEGRITY = "integrity"  # a tier returned other bytes than this worker wrote (tiercache/chunk_digests.py)
+INTEGRITY = "integrity"  # a tier returned other bytes than this worker wrote (tiercache/tiers/chunk_digests.py)
 
 
 @dataclass

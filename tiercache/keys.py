@@ -19,7 +19,7 @@ The TP rank and size are *not* in the digest when the KV heads are known
 (``kv_heads > 0``): lower tiers hold store shards named by KV head
 (:mod:`tiercache.shards`), so engines of any TP size share them. Without the
 head count (tests, old callers) the TP size and bytes per chunk stay in.
-The P/D fingerprint (:func:`tiercache.handoff.fingerprint`) always has them:
+The P/D fingerprint (:func:`tiercache.pd.handoff.fingerprint`) always has them:
 a hand-off moves whole rank chunks.
 
 Keys are plain ``bytes``: cheap to hash, compare and ship, no tuple garbage.

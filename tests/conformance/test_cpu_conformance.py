@@ -1,4 +1,4 @@
-"""The host-memory tier (backends/cpu.py) against the conformance kit, through its keyed API.
+"""The host-memory tier (tiercache/transfer/host_slab.py) against the conformance kit, through its keyed API.
 
 The host tier is volatile and holds unframed bytes (it is the staging tier,
 not a lower tier), so the kit's recovery, namespace and checksum tests do not
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
-from tiercache.backends.cpu import HostTier
+from tiercache.transfer.host_slab import HostTier
 
 from tiercache.backend import BackendContext
 from tiercache.testing.conformance import BackendConformance

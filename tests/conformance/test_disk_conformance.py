@@ -1,7 +1,7 @@
-"""The disk tier (backends/disk.py) against the conformance kit, in each of its I/O modes.
+"""The disk tier (backends/disk/backend.py) against the conformance kit, in each of its I/O modes.
 
 Every variant is built the way the engine builds it: through
-:func:`tiercache.plugins.create_backend` from a tier config naming ``disk``.
+:func:`tiercache.tiers.registry.create_backend` from a tier config naming ``disk``.
 The variants cover O_DIRECT with ``fsync: batch`` (on a filesystem that allows
 O_DIRECT, such as the ext4 or tmpfs under pytest's tmp_path), buffered I/O with
 ``fsync: none``, O_DIRECT with ``fsync: always``, ``fsync: batch`` without
@@ -26,14 +26,14 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
-from tiercache.backends import disk as disk_module
-from tiercache.backends.disk import DiskBackend, DiskSettings
+from tiercache.backends.disk import backend as disk_module
+from tiercache.backends.disk.backend import DiskBackend, DiskSettings
 
 from tests.integration import mounted
 from tiercache.backend import Backend, BackendContext, JobResult
-from tiercache.config import ConfigError, TierConfig
+from tiercache.config.schema import ConfigError, TierConfig
 from tiercache.integrity import ALIGN, aligned_frame_bytes, round_up
-from tiercache.plugins import create_backend
+from tiercache.tiers.registry import create_backend
 from tiercache.testing.conformance import (
     BackendConformance,
     make_key,
@@ -199,7 +199,7 @@ def test_settings_are_validated_with_named_keys(tmp_path: pathlib.Path) -> None:
 
 
 def test_io_mode_is_logged(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="tiercache.backends.disk"):
+    with caplog.at_level(logging.INFO, logger="tiercache.backends.disk.backend"):
         tier = disk_tier(tmp_path, direct_io="off")
     assert tier.io_mode == "buffered"
     assert any("buffered I/O" in r.getMessage() for r in caplog.records)

@@ -6,7 +6,7 @@ tests install it into the running interpreter's environment (``pip install
 --no-deps --no-build-isolation -e``, once; skipped with pip's reason if that
 fails), then:
 
-* resolve it by name through :func:`tiercache.plugins.backend_class`, in a
+* resolve it by name through :func:`tiercache.tiers.registry.backend_class`, in a
   fresh interpreter and in this one, and build it from a YAML tier;
 * run the conformance kit against the class the registry returns;
 * run the plugin's own kit module in a fresh pytest, as its author would;
@@ -29,9 +29,9 @@ from collections.abc import Iterator
 import pytest
 
 from tiercache.backend import Backend, BackendContext
-from tiercache.config import ConfigError, load_config
+from tiercache.config.schema import ConfigError, load_config
 from tiercache.integrity import compact_header_len
-from tiercache.plugins import available_backends, backend_class, create_backend
+from tiercache.tiers.registry import available_backends, backend_class, create_backend
 from tiercache.testing.conformance import BackendConformance, make_key
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ PLUGIN_DIR = REPO / "examples" / "tiercache-example-plugin"
 PLUGIN_NAME = "example_memory"
 PLUGIN_MODULE = "tiercache_example_plugin"
 _RESOLVE = (
-    "from tiercache.plugins import backend_class; import inspect; "
+    "from tiercache.tiers.registry import backend_class; import inspect; "
     f"print(inspect.getfile(backend_class({PLUGIN_NAME!r})))"
 )
 

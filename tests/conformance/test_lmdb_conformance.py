@@ -1,7 +1,7 @@
-"""The LMDB tier (backends/lmdb.py) against the conformance kit.
+"""The LMDB tier (backends/lmdb/backend.py) against the conformance kit.
 
 The backend is built the way the engine builds it, through
-:func:`tiercache.plugins.create_backend` from a tier config naming ``lmdb``,
+:func:`tiercache.tiers.registry.create_backend` from a tier config naming ``lmdb``,
 once with one I/O thread and once with three (gets then run beside the
 writer). Corruption is real on-disk damage: a payload byte of the chunk's
 frame is flipped in ``data.mdb`` with plain file I/O, behind LMDB's back.
@@ -12,12 +12,12 @@ from __future__ import annotations
 import pathlib
 from typing import Any, ClassVar
 
-from tiercache.backends.lmdb import LMDBBackend
+from tiercache.backends.lmdb.backend import LMDBBackend
 
 from tiercache.backend import Backend, BackendContext
-from tiercache.config import TierConfig
+from tiercache.config.schema import TierConfig
 from tiercache.integrity import FRAME_MAGIC, compact_header_len
-from tiercache.plugins import create_backend
+from tiercache.tiers.registry import create_backend
 from tiercache.testing.conformance import BackendConformance
 
 

@@ -18,13 +18,13 @@ from typing import ClassVar
 
 import pytest
 import torch
-from tiercache.backends.disk import DiskBackend, DiskSettings
+from tiercache.backends.disk.backend import DiskBackend, DiskSettings
 
 from tiercache import faults
 from tiercache.backend import Backend, BackendContext
-from tiercache.config import load_config
-from tiercache.device import CopySegment
-from tiercache.plugins import backend_class, create_backend
+from tiercache.config.schema import load_config
+from tiercache.transfer.device import CopySegment
+from tiercache.tiers.registry import backend_class, create_backend
 from tiercache.testing import faulty_backends as fb
 from tiercache.testing.conformance_faults import EngineSideChecks
 from tiercache.testing.pipeline_rig import PipelineRig, rig_key

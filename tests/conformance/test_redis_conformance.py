@@ -1,4 +1,4 @@
-"""The Redis tier (backends/redis.py) against the conformance kit, on a real redis-server.
+"""The Redis tier (backends/redis/backend.py) against the conformance kit, on a real redis-server.
 
 The server is started once per session (tests/integration/redis_servers.py)
 and flushed before every test, so each test sees an empty medium; "reopening"
@@ -25,7 +25,7 @@ import pathlib
 from typing import Any, ClassVar
 
 import pytest
-from tiercache.backends.redis import RedisBackend, RedisSettings, redis_key
+from tiercache.backends.redis.backend import RedisBackend, RedisSettings, redis_key
 
 from tests.integration.redis_servers import (  # noqa: F401 (redis_server is a fixture)
     RedisServer,

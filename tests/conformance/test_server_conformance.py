@@ -1,4 +1,4 @@
-"""The client tier (backends/server.py) against the conformance kit, talking to a live server.
+"""The client tier (backends/server/backend.py) against the conformance kit, talking to a live server.
 
 Every test gets its own server subprocess (``tiercache serve``), sized for the
 kit's context: ``max_value_bytes`` is the kit's chunk size and the host tier
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
-from tiercache.backends.server import ServerBackend, ServerSettings
+from tiercache.backends.server.backend import ServerBackend, ServerSettings
 
 from tests.server.harness import ServerProcess
 from tiercache.backend import Backend, BackendContext

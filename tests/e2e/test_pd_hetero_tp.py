@@ -1,4 +1,4 @@
-"""P/D between engines of different TP sizes (tiercache.pd_heads): real vLLM engines over NIXL.
+"""P/D between engines of different TP sizes (tiercache.pd.heads): real vLLM engines over NIXL.
 
 Tiny random-weight Llama (2 KV heads), float32, producer modes via_host and direct, the two
 engines at once:

@@ -1,4 +1,4 @@
-"""Tests of the CUDA copier (tiercache/device.py, CudaStreamCopier): run only where CUDA is.
+"""Tests of the CUDA copier (tiercache/transfer/device.py, CudaStreamCopier): run only where CUDA is.
 
 The same store/load round trip as the host copier's, between device KV
 tensors and a pinned slab, plus the stream-ordering contract (DESIGN.md
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from tiercache.cuda_copier import CudaStreamCopier
-from tiercache.device import CopyJob, CopySegment, make_copier
+from tiercache.transfer.cuda_copier import CudaStreamCopier
+from tiercache.transfer.device import CopyJob, CopySegment, make_copier
 from tiercache.layout import KVBlockLayout, gather_slot, slab_planes
 
 pytestmark = [

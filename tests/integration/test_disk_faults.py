@@ -23,11 +23,11 @@ import textwrap
 import time
 
 import pytest
-from tiercache.backends.disk import DiskBackend, DiskSettings
+from tiercache.backends.disk.backend import DiskBackend, DiskSettings
 
 from tests.integration import mounted
 from tiercache.backend import BackendContext, JobResult
-from tiercache.config import ConfigError
+from tiercache.config.schema import ConfigError
 from tiercache.integrity import ALIGN
 from tiercache.testing.conformance import make_key, make_payload, wait_for_jobs
 
@@ -75,7 +75,7 @@ def keys_on_disk(root: pathlib.Path) -> set[bytes]:
 WRITER = textwrap.dedent(
     """
     import sys, time
-    from tiercache.backends.disk import DiskBackend, DiskSettings
+    from tiercache.backends.disk.backend import DiskBackend, DiskSettings
     from tiercache.backend import BackendContext
     from tiercache.testing.conformance import make_key, make_payload
 

@@ -2,7 +2,7 @@
 
 Every test starts real processes (``multiprocessing`` with ``spawn``, so no
 LMDB state is inherited through fork) that open the same environment with
-their own :class:`~tiercache.backends.lmdb.LMDBBackend`, as the engines of a
+their own :class:`~tiercache.backends.lmdb.backend.LMDBBackend`, as the engines of a
 node do, and report back through a queue:
 
 * a writer stores chunks, one write transaction per job, while a read-only
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
-from tiercache.backends.lmdb import LMDBBackend, LMDBSettings
+from tiercache.backends.lmdb.backend import LMDBBackend, LMDBSettings
 
 from tiercache.backend import BackendContext, JobResult
 

@@ -28,21 +28,21 @@ import torch
 
 pytest.importorskip("nixl._api")
 
-from tiercache.backends.nixl_peer import (  # noqa: E402
+from tiercache.pd.peer_tier import (  # noqa: E402
     PEER_DATA_READ,
     PEER_HOST_TO_DEVICE,
     NixlPeerTier,
     PeerChunk,
     PeerSource,
 )
-from tiercache.backends.nixl_read import TagMirror  # noqa: E402
+from tiercache.pd.nixl_reads import TagMirror  # noqa: E402
 
 from tests.e2e.conftest import free_port  # noqa: E402
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.device import CopySegment  # noqa: E402
+from tiercache.transfer.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout, slab_planes  # noqa: E402
-from tiercache.pd_blocks import BlockRegions  # noqa: E402
-from tiercache.pd_channel import ProducerEndpoint, key_tag  # noqa: E402
+from tiercache.pd.blocks import BlockRegions  # noqa: E402
+from tiercache.pd.channel import ProducerEndpoint, key_tag  # noqa: E402
 
 BLOCKS = 16  # the consumer's KV cache: 2 layers of (K/V, blocks, 32 tokens, 2 heads, 16) float32
 BPC = 2  # blocks per chunk

@@ -19,21 +19,21 @@ import torch
 
 pytest.importorskip("nixl._api")
 
-from tiercache.backends.nixl_peer import (  # noqa: E402
+from tiercache.pd.peer_tier import (  # noqa: E402
     PEER_DATA_READ,
     PEER_DEVICE_TO_DEVICE,
     NixlPeerTier,
     PeerChunk,
     PeerSource,
 )
-from tiercache.backends.nixl_read import TagMirror  # noqa: E402
+from tiercache.pd.nixl_reads import TagMirror  # noqa: E402
 
 from tests.integration.test_pd_channel import FP, Stepper, one_engines_keys, wait_result  # noqa: E402
 from tiercache.backend import JobResult  # noqa: E402
-from tiercache.device import CopySegment  # noqa: E402
+from tiercache.transfer.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout  # noqa: E402
-from tiercache.pd_blocks import BlockRegions  # noqa: E402
-from tiercache.pd_channel import ProducerEndpoint  # noqa: E402
+from tiercache.pd.blocks import BlockRegions  # noqa: E402
+from tiercache.pd.channel import ProducerEndpoint  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
 
 BLOCKS = 16

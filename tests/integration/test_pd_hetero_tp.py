@@ -19,14 +19,14 @@ import torch
 
 pytest.importorskip("nixl._api")
 
-from tiercache.backends.nixl_peer import NixlPeerTier, PeerChunk, PeerSource
+from tiercache.pd.peer_tier import NixlPeerTier, PeerChunk, PeerSource
 
 from tests.integration.test_pd_channel import Stepper, wait_result
-from tiercache.device import CopySegment
+from tiercache.transfer.device import CopySegment
 from tiercache.layout import KVBlockLayout, slab_planes
-from tiercache.pd_blocks import BlockRegions
-from tiercache.pd_channel import ProducerEndpoint
-from tiercache.pd_heads import WRONG_HEAD_ENV, page_heads
+from tiercache.pd.blocks import BlockRegions
+from tiercache.pd.channel import ProducerEndpoint
+from tiercache.pd.heads import WRONG_HEAD_ENV, page_heads
 from tiercache.testing.ports import free_port
 
 HEADS, BLOCKS, TOKENS, CONTENT, LAYERS = 2, 8, 32, 16, 2

@@ -29,7 +29,7 @@ from tests.integration.test_pd_channel import (  # noqa: E402
     wait_result,
 )
 from tiercache import faults  # noqa: E402
-from tiercache.pd_channel import recv_message, send_message  # noqa: E402
+from tiercache.pd.channel import recv_message, send_message  # noqa: E402
 
 
 def garbage_producer(port: int, stop: threading.Event) -> threading.Thread:

@@ -1,4 +1,4 @@
-"""The Redis tier (backends/redis.py) against a real, single redis-server (no mocks).
+"""The Redis tier (backends/redis/backend.py) against a real, single redis-server (no mocks).
 
 * round trip, key layout (``tc:`` + chunk key) and frame layout, as a plain
   client sees them; options through the plugin path (pydantic errors name the key);
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tiercache.backends.redis import (
+from tiercache.backends.redis.backend import (
     KEY_TAG,
     LinkState,
     RedisBackend,
@@ -40,9 +40,9 @@ from tests.integration.redis_servers import (  # noqa: F401 (redis_server is a f
     pick_port,
     redis_server,
 )
-from tiercache import plugins
+from tiercache.tiers import registry as plugins
 from tiercache.backend import BackendContext, JobResult
-from tiercache.config import ConfigError, TierConfig
+from tiercache.config.schema import ConfigError, TierConfig
 from tiercache.integrity import FRAME_MAGIC, compact_header_len
 from tiercache.testing.conformance import (
     OTHER_NAMESPACE,
@@ -122,7 +122,7 @@ def test_round_trip_keys_and_frames(server: RedisServer, opened: list[RedisBacke
 def test_options_through_the_plugin_path(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(plugins.BUILTIN_BACKENDS, "redis", "tiercache.backends.redis:RedisBackend")
+    monkeypatch.setitem(plugins.BUILTIN_BACKENDS, "redis", "tiercache.backends.redis.backend:RedisBackend")
     tier_config = TierConfig(name="r", backend="redis", capacity=64 << 20,
                              options={"url": server.url, "ttl_seconds": 60})
     tier = plugins.create_backend(tier_config, context())

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 from redis.crc import key_slot
-from tiercache.backends.redis import LinkState, RedisBackend, RedisSettings, redis_key
+from tiercache.backends.redis.backend import LinkState, RedisBackend, RedisSettings, redis_key
 
 from tests.integration.redis_servers import (  # noqa: F401 (redis_cluster is a fixture)
     RedisClusterNodes,

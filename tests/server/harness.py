@@ -1,8 +1,8 @@
 """Run a real cache server in a subprocess for tests: write its config, start it, wait, stop it.
 
-The server is started exactly as a user starts it (``python -m tiercache.cli
+The server is started exactly as a user starts it (``python -m tiercache.cli.main
 serve --config FILE``, falling back to ``python -m tiercache.server.serve_cli``
-while the ``serve`` subcommand is not registered in tiercache/cli.py) on a free
+while the ``serve`` subcommand is not registered in tiercache/cli/main.py) on a free
 loopback port below 32768 (outside Linux's ephemeral range, so a client's own
 ports never collide with it). Used by tests/server and the server's
 conformance suite; one :class:`ServerProcess` per server, owned by the test.
@@ -43,14 +43,14 @@ def free_port() -> int:
 
 def _serve_command() -> list[str]:
     """``tiercache serve`` if the CLI knows it, else the module's own runner."""
-    from tiercache import cli
+    from tiercache.cli import main as cli
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             cli.build_parser().parse_args(["serve", "--config", "x"])
     except SystemExit:
         return [sys.executable, "-m", "tiercache.server.serve_cli"]
-    return [sys.executable, "-m", "tiercache.cli", "serve"]
+    return [sys.executable, "-m", "tiercache.cli.main", "serve"]
 
 
 class ServerProcess:

@@ -20,11 +20,11 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from tiercache.backends.server import ServerBackend, ServerSettings
+from tiercache.backends.server.backend import ServerBackend, ServerSettings
 
 from tests.server.harness import ROOT, ServerProcess, free_port
 from tiercache.backend import BackendContext
-from tiercache.config import ConfigError
+from tiercache.config.schema import ConfigError
 from tiercache.server import auth
 from tiercache.server import protocol as p
 from tiercache.server.client import ServerClient
@@ -397,8 +397,8 @@ def test_client_tier_survives_a_dead_server(tmp_path: pathlib.Path) -> None:
 
 
 def test_shipped_configs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiercache import plugins
-    from tiercache.config import TierConfig, load_config
+    from tiercache.tiers import registry as plugins
+    from tiercache.config.schema import TierConfig, load_config
 
     server = load_server_config(ROOT / "configs" / "server.yaml")
     assert server.host == "127.0.0.1" and [t.backend for t in server.tiers] == ["cpu", "disk"]
@@ -406,7 +406,7 @@ def test_shipped_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     tier = engine.tiers[1]
     assert tier.backend == "server"
     # Built the way the engine builds it (the registry names "server" once tiercache registers it).
-    monkeypatch.setitem(plugins.BUILTIN_BACKENDS, "server", "tiercache.backends.server:ServerBackend")
+    monkeypatch.setitem(plugins.BUILTIN_BACKENDS, "server", "tiercache.backends.server.backend:ServerBackend")
     context = BackendContext("server", b"kit-ns-1", CHUNK, tier.capacity)
     backend = plugins.create_backend(tier, context, index=1)
     assert isinstance(backend, ServerBackend)

@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from tiercache.config import ConfigError, config_from_extra, load_config
-from tiercache.sizes import format_size, parse_size
+from tiercache.config.schema import ConfigError, config_from_extra, load_config
+from tiercache.config.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize(

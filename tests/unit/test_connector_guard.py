@@ -27,9 +27,9 @@ from tiercache.connector.vllm import TierCacheConnector  # noqa: E402
 from tiercache.connector.worker import TierCacheWorker  # noqa: E402
 
 from tiercache import faults  # noqa: E402
-from tiercache.config import load_config  # noqa: E402
-from tiercache.device import CopySegment  # noqa: E402
-from tiercache.transfer import TransferJobSpec  # noqa: E402
+from tiercache.config.schema import load_config  # noqa: E402
+from tiercache.transfer.device import CopySegment  # noqa: E402
+from tiercache.transfer.engine import TransferJobSpec  # noqa: E402
 
 BLOCK, BLOCKS, HEADS, HEAD_DIM = 32, 32, 2, 8
 PER_BLOCK = 2 * (2 * BLOCK * HEADS * HEAD_DIM * 4)  # two layers of K and V, float32

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from tiercache.connector.logs import adopt_vllm_logging
 
-from tiercache.config import ConfigError, load_config
+from tiercache.config.schema import ConfigError, load_config
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def test_info_lines_land_in_vllms_log_once(loggers) -> None:
     adopt_vllm_logging()
     adopt_vllm_logging()  # idempotent
     logging.getLogger("tiercache.connector.worker").info("geometry")
-    logging.getLogger("tiercache.backends.nixl_peer").debug("hidden")
+    logging.getLogger("tiercache.pd.peer_tier").debug("hidden")
     assert out.getvalue().splitlines() == ["INFO tiercache.connector.worker geometry"]
     assert len(ours.handlers) == 1 and not ours.propagate
 
@@ -47,9 +47,9 @@ def test_level_from_the_config_and_the_environment(loggers, monkeypatch) -> None
     config = load_config()
     assert config.log_level == "DEBUG"
     adopt_vllm_logging(config.log_level)
-    logging.getLogger("tiercache.backends.nixl_peer").debug("READ 4.0 ms")
+    logging.getLogger("tiercache.pd.peer_tier").debug("READ 4.0 ms")
     logging.getLogger("vllm.engine").debug("vllm's own debug stays filtered by its logger")
-    assert out.getvalue().splitlines() == ["DEBUG tiercache.backends.nixl_peer READ 4.0 ms"]
+    assert out.getvalue().splitlines() == ["DEBUG tiercache.pd.peer_tier READ 4.0 ms"]
 
 
 def test_a_bad_level_is_a_clear_error() -> None:

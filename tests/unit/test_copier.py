@@ -1,4 +1,4 @@
-"""Unit tests of the host copier (tiercache/device.py) on CPU-resident KV caches.
+"""Unit tests of the host copier (tiercache/transfer/device.py) on CPU-resident KV caches.
 
 Stores copy engine blocks into host slots, loads copy them back; the expected
 slot bytes are computed here from the engine tensors directly (not through
@@ -21,9 +21,9 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from tiercache.device import CopyDone, CopyJob, CopySegment, copy_segments, make_copier, zero_blocks
-from tiercache.host_copier import HostThreadCopier
-from tiercache.host_gather import GIL_FREE_ITEMS, MIN_LOAD_ITEM_BYTES, HostSegmentCopier
+from tiercache.transfer.device import CopyDone, CopyJob, CopySegment, copy_segments, make_copier, zero_blocks
+from tiercache.transfer.host_copier import HostThreadCopier
+from tiercache.transfer.host_gather import GIL_FREE_ITEMS, MIN_LOAD_ITEM_BYTES, HostSegmentCopier
 from tiercache.layout import KVBlockLayout
 
 NUM_BLOCKS = 48
@@ -484,8 +484,8 @@ def test_dropped_copier_stops_its_threads() -> None:
 
 EXIT_SCRIPT = """
 import torch
-from tiercache.device import CopyJob, CopySegment
-from tiercache.host_copier import HostThreadCopier
+from tiercache.transfer.device import CopyJob, CopySegment
+from tiercache.transfer.host_copier import HostThreadCopier
 from tiercache.layout import KVBlockLayout
 kvs = {f"l{i}": torch.ones(512, 2, 16, 4, 32) for i in range(8)}
 layout = KVBlockLayout.from_kv_caches(kvs, 512)

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from tiercache import faults
-from tiercache.device import CopySegment
-from tiercache.manager import OffloadingManager, TierSpec
-from tiercache.pipeline import DemoteJobSpec
+from tiercache.transfer.device import CopySegment
+from tiercache.manager.offloading import OffloadingManager, TierSpec
+from tiercache.transfer.pipeline import DemoteJobSpec
 from tiercache.testing.faulty_backends import FaultySettings, NeverReportsBackend
 from tiercache.testing.pipeline_rig import SLOTS, TIER, PipelineRig
 from tiercache.testing.pipeline_rig import rig_key as key
-from tiercache.transfer import TransferJobSpec
+from tiercache.transfer.engine import TransferJobSpec
 
 DEADLINE = 0.3
 SLACK = 0.5  # scheduling noise on a 2-core machine

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.handoff import Handoff, HandoffError, mismatches
-from tiercache.manager import OffloadingManager, TierSpec
+from tiercache.pd.handoff import Handoff, HandoffError, mismatches
+from tiercache.manager.offloading import OffloadingManager, TierSpec
 
 FP = {"model": "m", "kv_dtype": "torch.float32", "chunk_tokens": 32, "block_size": 16}  # 2 blocks a chunk
 
@@ -119,9 +119,9 @@ def direct_producer(error_handling: str = "none", tp_size: int = 1):  # type: ig
     pytest.importorskip("vllm")
     from vllm.v1.core.block_pool import BlockPool
 
-    from tiercache.config import PDConfig
+    from tiercache.config.schema import PDConfig
     from tiercache.connector.block_pins import VllmBlockPins
-    from tiercache.connector.pd import PDScheduler
+    from tiercache.connector.pd.scheduler_role import PDScheduler
     from tiercache.keys import KeySpace, Namespace
 
     ns = Namespace("m", "torch.float32", "NHD", 32, 64, 1, 4096, "sha256")
@@ -233,8 +233,8 @@ def test_via_host_hold_with_two_tp_ranks_ends_when_both_ranks_read() -> None:
 
     from vllm.v1.request import RequestStatus
 
-    from tiercache.config import PDConfig
-    from tiercache.connector.pd import PDScheduler
+    from tiercache.config.schema import PDConfig
+    from tiercache.connector.pd.scheduler_role import PDScheduler
     from tiercache.keys import KeySpace, Namespace
 
     ns = Namespace("m", "torch.float32", "NHD", 32, 32, 2, 4096, "sha256")

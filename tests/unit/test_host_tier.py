@@ -1,4 +1,4 @@
-"""Unit tests of the host tier (backends/cpu.py): the slab, its slot views, the keyed Backend API.
+"""Unit tests of the host tier (tiercache/transfer/host_slab.py): the slab, its slot views, the keyed Backend API.
 
 The connector addresses slots by number (through the TransferEngine); the
 keyed put/get is the Backend contract of DESIGN.md section 5, exercised here
@@ -12,7 +12,7 @@ import array
 import numpy as np
 import pytest
 import torch
-from tiercache.backends.cpu import HostTier, commit_pages, touch_pages
+from tiercache.transfer.host_slab import HostTier, commit_pages, touch_pages
 
 from tiercache.backend import Backend, JobResult
 

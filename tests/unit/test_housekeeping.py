@@ -1,4 +1,4 @@
-"""The housekeeping lane (tiercache/housekeeping.py) and fault counting (tiercache/faults.py).
+"""The housekeeping lane (tiercache/tiers/housekeeping.py) and fault counting (tiercache/faults.py).
 
 Deletes run on a lane thread, in order, holding the tier's lock; a full queue
 drops (and counts) a batch; an exception from the backend is counted and the
@@ -16,7 +16,7 @@ import pytest
 
 from tiercache import faults
 from tiercache.backend import BackendContext
-from tiercache.housekeeping import DeleteLane
+from tiercache.tiers.housekeeping import DeleteLane
 from tiercache.metrics import TierCacheMetrics
 from tiercache.testing.faulty_backends import FaultySettings, RaisingBackend, _MemoryBackend
 

@@ -1,4 +1,4 @@
-"""Transparent huge pages for P/D memory (tiercache/huge_pages.py), on this machine's real kernel.
+"""Transparent huge pages for P/D memory (tiercache/transfer/huge_pages.py), on this machine's real kernel.
 
 Checks: the 2 MiB-aligned interior is what gets advised; ``MADV_COLLAPSE``
 moves touched memory (a KV tensor) onto huge pages without changing a byte,
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiercache.backends.cpu import HostTier
+from tiercache.transfer.host_slab import HostTier
 
-from tiercache.huge_pages import (
+from tiercache.transfer.huge_pages import (
     HUGE_PAGE_BYTES,
     advise_huge,
     aligned_interior,
@@ -120,7 +120,7 @@ def test_a_pd_worker_moves_its_kv_tensors_and_slab_to_huge_pages(huge: bool) -> 
     from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry
     from tiercache.connector.worker import TierCacheWorker
 
-    from tiercache.config import load_config
+    from tiercache.config.schema import load_config
 
     config = load_config(chunk_tokens=BLOCK, tiers=[{"name": "cpu", "backend": "cpu", "capacity": "8MiB"}],
                          pd={"huge_pages": huge})

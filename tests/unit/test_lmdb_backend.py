@@ -1,4 +1,4 @@
-"""Unit tests of the LMDB tier (backends/lmdb.py): its own rules beyond the conformance kit.
+"""Unit tests of the LMDB tier (backends/lmdb/backend.py): its own rules beyond the conformance kit.
 
 Settings and construction through the plugin registry; map sizing; the
 on-disk layout (a sub-database per namespace and rank, framed values);
@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
-from tiercache.backends.lmdb import (
+from tiercache.backends.lmdb.backend import (
     MAP_HEADROOM_MIN_BYTES,
     MAX_KEY_BYTES,
     LMDBBackend,
@@ -30,8 +30,8 @@ from tiercache.backends.lmdb import (
 
 from tiercache import integrity
 from tiercache.backend import BackendContext, JobResult
-from tiercache.config import ConfigError, TierConfig
-from tiercache.plugins import backend_class, create_backend
+from tiercache.config.schema import ConfigError, TierConfig
+from tiercache.tiers.registry import backend_class, create_backend
 
 NS = b"unit-ns1"
 CHUNK = 4096

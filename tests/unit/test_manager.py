@@ -1,4 +1,4 @@
-"""Unit tests of the scheduler-side OffloadingManager (tiercache/manager.py).
+"""Unit tests of the scheduler-side OffloadingManager (tiercache/manager/offloading.py).
 
 Every state transition of a chunk in a tier is exercised with both eviction
 policies: absent -> STORING (prepare_store) -> READY (complete_store ok) or
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tiercache.events import ChunkEvent, EventKind
-from tiercache.manager import ChunkState, OffloadingManager, TierSpec
-from tiercache.plans import LoadPlan, StorePlan
-from tiercache.policies import POLICIES
+from tiercache.manager.offloading import ChunkState, OffloadingManager, TierSpec
+from tiercache.manager.plans import LoadPlan, StorePlan
+from tiercache.manager.policies import POLICIES
 
 NAMESPACE = b"\x01" * 8
 GROUP = (0).to_bytes(4, "big")

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tiercache.config import config_from_extra  # noqa: E402
+from tiercache.config.schema import config_from_extra  # noqa: E402
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry  # noqa: E402
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata  # noqa: E402
 from tiercache.connector.namespace_check import (  # noqa: E402

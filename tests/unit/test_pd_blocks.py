@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiercache.layout import KVBlockLayout
-from tiercache.pd_blocks import BlockRegions, paired_descs, slot_descs
+from tiercache.pd.blocks import BlockRegions, paired_descs, slot_descs
 
 BLOCKS = 8
 

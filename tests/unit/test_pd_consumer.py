@@ -18,11 +18,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tiercache.backends.nixl_peer import PEER_TIER  # noqa: E402
-from tiercache.config import load_config  # noqa: E402
+from tiercache.pd.peer_tier import PEER_TIER  # noqa: E402
+from tiercache.config.schema import load_config  # noqa: E402
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry  # noqa: E402
 from tiercache.connector.scheduler import TierCacheScheduler  # noqa: E402
-from tiercache.handoff import Handoff  # noqa: E402
+from tiercache.pd.handoff import Handoff  # noqa: E402
 
 BLOCK = 32
 PROMPT = 4 * BLOCK + 8  # 4 full chunks (one block each) and a tail

@@ -1,4 +1,4 @@
-"""P/D between TP sizes (tiercache.pd_heads, backends/nixl_plans.head_plan): read plans, refusals.
+"""P/D between TP sizes (tiercache.pd.heads, backends/nixl_plans.head_plan): read plans, refusals.
 
 Pure: no NIXL, no engine. Pages are vLLM 0.32 CPU's ``[blocks, heads, tokens, content]``
 (head-major); a token-major page ``[blocks, tokens, heads, content]`` is refused.
@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiercache.backends.nixl_peer import PeerChunk, PeerSource
-from tiercache.backends.nixl_plans import IncompatibleBlocks, head_plan
+from tiercache.pd.peer_tier import PeerChunk, PeerSource
+from tiercache.pd.read_plans import IncompatibleBlocks, head_plan
 
-from tiercache.device import CopySegment
+from tiercache.transfer.device import CopySegment
 from tiercache.layout import KVBlockLayout, region_head_maps
-from tiercache.pd_blocks import BlockRegions
-from tiercache.pd_heads import (
+from tiercache.pd.blocks import BlockRegions
+from tiercache.pd.heads import (
     WRONG_HEAD_ENV,
     HeadRun,
     PageHeads,

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tiercache.backend import BackendContext, JobResult
-from tiercache.backends.disk import DiskBackend, DiskSettings
-from tiercache.device import CopySegment
+from tiercache.backends.disk.backend import DiskBackend, DiskSettings
+from tiercache.transfer.device import CopySegment
 from tiercache.layout import KVBlockLayout
-from tiercache.pipeline import DemoteJobSpec, WorkerPipeline
-from tiercache.tier_io import TierIO
-from tiercache.transfer import TransferEngine, TransferJobSpec
+from tiercache.transfer.pipeline import DemoteJobSpec, WorkerPipeline
+from tiercache.tiers.tier_io import TierIO
+from tiercache.transfer.engine import TransferEngine, TransferJobSpec
 
 NUM_BLOCKS = 16
 BPC = 2

@@ -1,4 +1,4 @@
-"""Unit tests of the eviction policies (tiercache/policies/).
+"""Unit tests of the eviction policies (tiercache/manager/policies/).
 
 The policies only order the resident keys of one tier; pins and slots are the
 manager's business and are tested in test_manager.py. Here: LRU ordering,
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercache.policies import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from tiercache.manager.policies import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 
 
 def k(i: int) -> bytes:

@@ -70,10 +70,10 @@ def test_no_tail_when_none_is_worth_it_or_token_ids_do_not_decide_the_kv() -> No
 # ------------------------------------------------------------------ through the scheduler
 pytest.importorskip("vllm")
 
-from tiercache.config import load_config  # noqa: E402
+from tiercache.config.schema import load_config  # noqa: E402
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry  # noqa: E402
 from tiercache.connector.scheduler import TierCacheScheduler  # noqa: E402
-from tiercache.handoff import Handoff  # noqa: E402
+from tiercache.pd.handoff import Handoff  # noqa: E402
 
 
 def scheduler(kv_role: str, mode: str = "via_host", blocks: list[int] | None = None,

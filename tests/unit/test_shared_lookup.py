@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from tiercache.backends.cpu import HostTier
-from tiercache.shared_lookup import SharedLookup
+from tiercache.transfer.host_slab import HostTier
+from tiercache.tiers.shared_lookup import SharedLookup
 
 
 def k(i: int) -> bytes:

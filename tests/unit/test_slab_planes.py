@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from tiercache.backend import BackendContext
-from tiercache.backends.disk import DiskBackend, DiskSettings
-from tiercache.device import CopyJob, CopySegment, copy_plane_segments
+from tiercache.backends.disk.backend import DiskBackend, DiskSettings
+from tiercache.transfer.device import CopyJob, CopySegment, copy_plane_segments
 from tiercache.layout import KVBlockLayout, gather_slot, region_offsets, scatter_slot, slab_planes
-from tiercache.pd_blocks import BlockRegions, plane_descs
-from tiercache.pipeline import DemoteJobSpec, WorkerPipeline
-from tiercache.tier_io import TierIO
-from tiercache.transfer import TransferEngine, TransferJobSpec
+from tiercache.pd.blocks import BlockRegions, plane_descs
+from tiercache.transfer.pipeline import DemoteJobSpec, WorkerPipeline
+from tiercache.tiers.tier_io import TierIO
+from tiercache.transfer.engine import TransferEngine, TransferJobSpec
 
 NUM_BLOCKS = 32
 BPC = 2
@@ -237,7 +237,7 @@ def test_plane_descs_coalesce_consecutive_slots_and_blocks() -> None:
 ])
 def test_the_worker_lays_out_a_via_host_producers_slab_in_planes(
         role: str, pd: dict | None, layout: str | None, want: str) -> None:
-    from tiercache.config import load_config
+    from tiercache.config.schema import load_config
     from tiercache.connector.worker import TierCacheWorker
 
     tiers = [{"name": "cpu", "backend": "cpu", "capacity": "64MiB", **({"options": {"layout": layout}} if layout else {})}]
@@ -247,7 +247,7 @@ def test_the_worker_lays_out_a_via_host_producers_slab_in_planes(
 
 
 def test_an_unknown_slab_layout_is_refused_naming_the_choices() -> None:
-    from tiercache.config import ConfigError, load_config
+    from tiercache.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="planes"):
         load_config(tiers=[{"name": "cpu", "backend": "cpu", "capacity": "64MiB", "options": {"layout": "rows"}}])

@@ -1,4 +1,4 @@
-"""Unit tests of the TransferEngine (tiercache/transfer.py) on CPU-resident KV caches.
+"""Unit tests of the TransferEngine (tiercache/transfer/engine.py) on CPU-resident KV caches.
 
 Job specs in, one JobResult per job out: keys, bytes and seconds on success,
 every key failed on a failure; and the fault injection that the end-to-end
@@ -12,14 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiercache.backends.cpu import HostTier
+from tiercache.transfer.host_slab import HostTier
 
 from tiercache.backend import JobResult
-from tiercache.config import FaultConfig
-from tiercache.device import CopySegment, Direction
-from tiercache.host_copier import HostThreadCopier
+from tiercache.config.schema import FaultConfig
+from tiercache.transfer.device import CopySegment, Direction
+from tiercache.transfer.host_copier import HostThreadCopier
 from tiercache.layout import KVBlockLayout
-from tiercache.transfer import TransferEngine, TransferJobSpec
+from tiercache.transfer.engine import TransferEngine, TransferJobSpec
 
 NUM_BLOCKS = 32
 BPC = 2

@@ -1,4 +1,4 @@
-"""The shared YAML config loader (tiercache.yaml_config): files, sources, error messages."""
+"""The shared YAML config loader (tiercache.config.yaml_file): files, sources, error messages."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from tiercache import config as engine_config
+from tiercache.config import schema as engine_config
 from tiercache.server.config import load_server_config
-from tiercache.yaml_config import (
+from tiercache.config.yaml_file import (
     ConfigError,
     YamlFileSource,
     describe_validation_error,

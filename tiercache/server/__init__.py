@@ -18,5 +18,5 @@ Modules, one job each:
 * ``serve_cli``, ``inspect_cli``, ``bench_cli`` - ``tiercache serve|inspect|bench server``
 
 The client tier an engine names in YAML (``backend: server``) is
-:mod:`tiercache.backends.server`.
+:mod:`tiercache.backends.server.backend`.
 """

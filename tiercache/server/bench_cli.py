@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tiercache.sizes import parse_size
+from tiercache.config.sizes import parse_size
 
 
 def run_bench_server(args: argparse.Namespace) -> int:

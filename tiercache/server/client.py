@@ -1,6 +1,6 @@
 """A blocking client connection to the cache server: one socket, one request at a time.
 
-Used by the client tier (:mod:`tiercache.backends.server`, one connection per
+Used by the client tier (:mod:`tiercache.backends.server.backend`, one connection per
 I/O thread), by ``tiercache inspect`` and ``tiercache bench server``, and by
 the tests. Each call sends one request and reads its reply. PUT values are
 sent straight from the caller's buffers (``sendmsg``, no concatenation) and

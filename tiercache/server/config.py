@@ -3,10 +3,10 @@
 Sources, highest precedence first: keyword overrides to :func:`load_server_config`,
 ``TIERCACHE_SERVER_*`` environment variables (nested with ``__``, e.g.
 ``TIERCACHE_SERVER_METRICS__PORT=9401``), the YAML file, the defaults below.
-Every model forbids unknown keys; a bad value is a :class:`~tiercache.config.ConfigError`
+Every model forbids unknown keys; a bad value is a :class:`~tiercache.config.schema.ConfigError`
 naming the key, raised before any memory is allocated or any socket is bound.
 
-The tier chain reuses the engine's :class:`~tiercache.config.TierConfig`: the
+The tier chain reuses the engine's :class:`~tiercache.config.schema.TierConfig`: the
 first tier is the server's host memory (``backend: cpu``), lower tiers (disk,
 LMDB, plugins) receive what it stores (write_through) or evicts (write_back)
 exactly as in an engine. Every chunk takes one host slot of
@@ -23,8 +23,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from tiercache.config import ByteSize, MetricsConfig, TierConfig
-from tiercache.yaml_config import YamlFileSource, load_settings
+from tiercache.config.schema import ByteSize, MetricsConfig, TierConfig
+from tiercache.config.yaml_file import YamlFileSource, load_settings
 
 DEFAULT_PORT = 7470
 

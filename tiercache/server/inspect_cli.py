@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from tiercache.sizes import format_size
+from tiercache.config.sizes import format_size
 
 
 def _pct(part: float, whole: float) -> str:

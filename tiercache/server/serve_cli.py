@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tiercache.config import ConfigError
+from tiercache.config.schema import ConfigError
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The server's chunk store: one OffloadingManager over the host slab and the lower tiers.
 
 This is the engine's pipeline minus the GPU: the same
-:class:`~tiercache.manager.OffloadingManager` decides which slot a put takes,
+:class:`~tiercache.manager.offloading.OffloadingManager` decides which slot a put takes,
 what it evicts, where a get reads from and what is copied down; the same
 backends (disk, LMDB, plugins) hold the lower tiers. Keys are the clients'
 opaque bytes (they start with the client's namespace digest).
@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiercache.backend import Backend, BackendContext
-from tiercache.config import ConfigError
-from tiercache.directory import TierSpec
-from tiercache.manager import OffloadingManager
-from tiercache.plugins import backend_class, create_backend
+from tiercache.config.schema import ConfigError
+from tiercache.manager.directory import TierSpec
+from tiercache.manager.offloading import OffloadingManager
+from tiercache.tiers.registry import backend_class, create_backend
 from tiercache.server.config import ServerConfig
 from tiercache.server.protocol import Status, TierStats
 from tiercache.server.slab import Slab, slot_bytes_for

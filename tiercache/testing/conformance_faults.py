@@ -31,7 +31,7 @@ import torch
 
 from tiercache import faults
 from tiercache.backend import Backend, BackendContext
-from tiercache.device import CopySegment
+from tiercache.transfer.device import CopySegment
 from tiercache.testing.pipeline_rig import PipelineRig, rig_key
 
 

@@ -3,7 +3,7 @@
 Mixed into :class:`tiercache.testing.conformance.BackendConformance`, so every
 backend's suite runs them against the real medium. The engine never hands a
 backend whole rank chunks: it wraps it in a
-:class:`~tiercache.sharded_backend.ShardedBackend`, and these checks hold the
+:class:`~tiercache.tiers.sharded_backend.ShardedBackend`, and these checks hold the
 pair to the rule of tiercache/shards.py: two processes that differ only in TP
 rank never see each other's bytes, and engines of different TP sizes share
 the shards of the same KV heads.
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tiercache.backend import Backend, JobResult
-from tiercache.sharded_backend import ShardedBackend
+from tiercache.tiers.sharded_backend import ShardedBackend
 from tiercache.shards import HeadSlicer, head_shards
 
 if TYPE_CHECKING:

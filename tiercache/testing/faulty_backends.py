@@ -1,6 +1,6 @@
 """Misbehaving backends, for the conformance kit and the fault tests: tiercache must recompute in each.
 
-Named in a config by import path (tiercache/plugins.py takes ``module:Class``)::
+Named in a config by import path (tiercache/tiers/registry.py takes ``module:Class``)::
 
     tiers:
       - {name: cpu, backend: cpu, capacity: 64MiB}
@@ -17,7 +17,7 @@ Named in a config by import path (tiercache/plugins.py takes ``module:Class``)::
   whose recovery fails, by design).
 * :class:`WrongBytesBackend` (``WRONG_BYTES``): stores chunks unframed and
   hands back other bytes with an "ok" (every byte XOR 0x5A); only the core's
-  own check (tiercache/chunk_digests.py) can catch it.
+  own check (tiercache/tiers/chunk_digests.py) can catch it.
 
 Threading: the owner's thread only (no I/O threads: nothing here waits).
 """

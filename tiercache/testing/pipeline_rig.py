@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tiercache.backend import Backend, BackendContext, JobResult
-from tiercache.device import CopySegment
+from tiercache.transfer.device import CopySegment
 from tiercache.layout import KVBlockLayout
-from tiercache.pipeline import DemoteJobSpec, WorkerPipeline
-from tiercache.tier_io import TierIO
-from tiercache.transfer import TransferEngine, TransferJobSpec
+from tiercache.transfer.pipeline import DemoteJobSpec, WorkerPipeline
+from tiercache.tiers.tier_io import TierIO
+from tiercache.transfer.engine import TransferEngine, TransferJobSpec
 
 NUM_BLOCKS, BPC, SLOTS = 16, 2, 6
 NAMESPACE = b"\x07" * 8

@@ -1,0 +1,411 @@
+"""Prefill/decode hand-off, scheduler side: the producer's holds and the consumer's peer tier.
+
+Runs inside :class:`tiercache.connector.scheduler.TierCacheScheduler` (vLLM's
+scheduler thread), on the same manager and the same store/load pipeline as
+offloading (DESIGN.md section 6):
+
+* **Producer** (kv_role ``kv_producer``, or ``kv_both`` with a ``pd`` section):
+  a request sent with ``kv_transfer_params={"do_remote_decode": True}``
+  finishes with :meth:`PDScheduler.request_finished` returning the hand-off
+  parameters (vLLM NixlConnector's shape, see tiercache.pd.handoff).
+  Mode ``via_host``: its prompt chunks were stored through the normal store
+  path into the host tier; they are pinned (held) and the params name the host
+  slot of each; the device blocks are freed at once. Mode ``direct``: the
+  request's device blocks are pinned (connector/block_pins.py: our own
+  reference in vLLM's block pool, so vLLM frees the request at once and need
+  not keep stepping, as it does for NixlConnector's delayed frees) and the
+  params name them; the worker marks them held (their tags) right after the
+  forward pass that completes the prompt (:meth:`PDScheduler.mark_prefill`, so
+  no later step is needed before a consumer may read). A hold ends when the
+  worker reports the consumer's read notification, or after
+  ``pd.handoff_timeout_s`` (expired; counted): via_host chunks then stay as
+  ordinary, evictable cache; direct blocks are unpinned once every worker
+  (TP rank) reported their tags cleared (:meth:`PDScheduler.blocks_released`).
+  Reads need no producer step (UCX error handling ``none``: one-sided
+  transports; handshakes are answered by the side-channel thread), so an idle
+  producer stops stepping and hears of reads and expiries at its next step.
+  :meth:`PDScheduler.has_pending` (vLLM's ``has_pending_push_work``) keeps it
+  stepping only to deliver marks and releases to the worker, and, with
+  ``nixl_error_handling: peer`` (tcp), while anything is held, so that its
+  progress thread runs.
+* **Consumer** (kv_role ``kv_consumer``, or ``kv_both`` with ``pd``): a
+  request carrying a tiercache hand-off teaches the manager that the ``peer``
+  tier (read-only, shared, and direct: its load plans take no host slot, the
+  worker READs straight into the blocks, from the producer's host slots or KV
+  blocks per its mode) holds its chunks, after checking the producer's
+  fingerprint against its own (a mismatch is refused with an error naming the
+  fields, and counted). Lookup and prepare_load then treat the producer like
+  any lower tier; :meth:`sources_for` tells the worker which producer holds
+  each key it loads. After the load the knowledge is dropped (the producer
+  releases the chunks); a failed load is recomputed.
+* **The prompt's tail** (its partial last chunk, connector/prompt_tail.py) goes
+  with the chunks in both modes, last, under a tail key: the producer stores it
+  (via_host, :meth:`PDScheduler.tail_to_store`) or holds its blocks (direct);
+  the consumer loads it when its own tokens give the same key
+  (:meth:`PDScheduler.tail_key`), so its engine computes only the prompt's last
+  token. A via_host tail is dropped from the host tier when its hold ends
+  (nothing but a hand-off ever looks it up).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tiercache.pd.peer_tier import PEER_TIER, PeerChunk, PeerSource
+from tiercache.config.schema import PDConfig
+from tiercache.pd.handoff import Handoff, HandoffError, fingerprint
+from tiercache.keys import KeySpace
+from tiercache.manager.offloading import OffloadingManager
+from tiercache.pd.channel import key_tag
+from tiercache.pd.heads import tp_mismatches
+
+from tiercache.connector.block_pins import BlockPins
+from tiercache.connector.prompt_tail import PromptTail, prompt_tail
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+PRODUCER_ROLES = ("kv_producer", "kv_both")
+CONSUMER_ROLES = ("kv_consumer", "kv_both")
+
+
+def pd_settings(kv_role: str, pd: PDConfig | None) -> PDConfig | None:
+    """The P/D settings in force for this role (None: no P/D at all)."""
+    if kv_role in ("kv_producer", "kv_consumer"):
+        return pd or PDConfig()
+    return pd  # kv_both: only when configured
+
+
+@dataclass
+class _Hold:
+    keys: list[bytes]
+    deadline: float
+    direct: bool = False  # the request's device blocks, not host chunks
+    tail: bytes | None = None  # via_host: the tail's key among keys (dropped when the hold ends)
+    ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) whose consumer read it
+
+
+@dataclass
+class _Pinned:
+    """Mode direct: a hand-off's pinned blocks, until every worker cleared their tags."""
+
+    blocks: list[int]
+    deadline: float  # past it, the workers that have not cleared them are told to (expired hold, lost notice)
+    forced: bool = False
+    ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) that cleared their tags
+
+
+_Reported = TypeVar("_Reported", _Hold, _Pinned)
+
+
+def _take_reported(table: dict[str, _Reported], reports: Mapping[str, set[int]],
+                   tp_size: int) -> list[tuple[str, _Reported]]:
+    """Add each report's TP ranks to its entry; remove and return the entries every rank has reported."""
+    complete: list[tuple[str, _Reported]] = []
+    for rid, ranks in reports.items():
+        entry = table.get(rid)
+        if entry is None:
+            continue
+        entry.ranks |= ranks
+        if len(entry.ranks) >= tp_size:
+            complete.append((rid, table.pop(rid)))
+    return complete
+
+
+@dataclass(frozen=True)
+class DirectHold:
+    """Producer, mode direct: a request's device blocks the worker must mark held."""
+
+    keys: tuple[bytes, ...]
+    blocks: tuple[tuple[int, ...], ...]  # the blocks of each key
+    tail_tokens: int = 0  # > 0: the last key is the prompt's tail (connector/prompt_tail.py)
+
+
+class PDScheduler:
+    def __init__(self, settings: PDConfig, kv_role: str, keys: KeySpace, manager: OffloadingManager,
+                 chunk_tokens: int, engine_id: str, tp_size: int, blocks_per_chunk: int = 1) -> None:
+        self.settings = settings
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = blocks_per_chunk
+        self.block_size = chunk_tokens // blocks_per_chunk
+        self.is_producer = kv_role in PRODUCER_ROLES
+        self.is_consumer = kv_role in CONSUMER_ROLES
+        self.keys = keys
+        self.manager = manager
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self.fingerprint = fingerprint(keys.namespace)
+        self._holds: dict[str, _Hold] = {}
+        self._sources: dict[bytes, PeerChunk] = {}
+        self._tails: dict[str, bytes] = {}  # consumer: request -> the tail key it may load (checked)
+        self._asked: set[str] = set()  # consumer requests whose hand-off was looked at
+        # mode direct: the blocks marked on the worker, per request; for the next step's
+        # metadata: marks to set, marks to clear (no hand-off after all: preempted, stopped,
+        # aborted) and hand-offs whose tags every worker clears (expired, or a missed notice)
+        self._marked: dict[str, DirectHold] = {}
+        self._new_direct: dict[str, DirectHold] = {}
+        self._unmark_direct: list[str] = []
+        self._released_direct: list[str] = []
+        self._pinned: dict[str, _Pinned] = {}
+        self.pins: BlockPins | None = None  # vLLM's block pool (bind_pins), for mode direct
+        self.counters: dict[str, int] = {
+            "handoffs_offered": 0, "handoffs_read": 0, "handoffs_expired": 0,
+            "handoffs_refused": 0, "handoff_chunks_received": 0,
+        }
+
+    def bind_pins(self, pins: BlockPins) -> None:
+        self.pins = pins
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Mode direct: blocks pinned for hand-offs (read or not) whose tags are not all cleared yet."""
+        return sum(len(p.blocks) for p in self._pinned.values())
+
+    @property
+    def held_chunks(self) -> int:
+        return sum(len(h.keys) for h in self._holds.values())
+
+    @property
+    def marks_prefills(self) -> bool:
+        """A producer in mode direct: prompts completed in a step get their blocks marked."""
+        return self.is_producer and self.settings.mode == "direct"
+
+    def has_pending(self) -> bool:
+        """The engine must run another step: marks or releases to deliver, or tcp reads to progress."""
+        if self._new_direct or self._unmark_direct or self._released_direct:
+            return True
+        return self.settings.nixl_error_handling == "peer" and bool(self._holds)
+
+    def _direct_hold(self, request: Request, block_ids: list[int]) -> DirectHold | None:
+        """The prompt's full chunks and tail, and their blocks (None: not a mode-direct hand-off)."""
+        params = request.kv_transfer_params or {}
+        if not (self.marks_prefills and params.get("do_remote_decode")):
+            return None
+        keys = self.keys.chunk_keys(request.block_hashes)
+        bpc = self.blocks_per_chunk
+        whole = request.num_prompt_tokens // self.chunk_tokens
+        n = min(whole, len(keys), len(block_ids) // bpc)
+        held = [(keys[i], tuple(block_ids[i * bpc:(i + 1) * bpc])) for i in range(n)]
+        tail = self._tail(request) if n == whole else None
+        if tail is not None and len(block_ids) >= n * bpc + tail.blocks(self.block_size):
+            held.append((tail.key, tuple(block_ids[n * bpc:n * bpc + tail.blocks(self.block_size)])))
+        else:
+            tail = None
+        if not held:
+            return None
+        return DirectHold(tuple(k for k, _ in held), tuple(b for _, b in held), tail.tokens if tail else 0)
+
+    def _tail(self, request: Request) -> PromptTail | None:
+        return prompt_tail(request, self.keys, self.chunk_tokens, self.block_size)
+
+    def tail_to_store(self, request: Request) -> PromptTail | None:
+        """Producer, mode via_host: the tail to store with the prompt's chunks (None: no hand-off, or no tail)."""
+        params = request.kv_transfer_params or {}
+        if not (self.is_producer and self.settings.mode == "via_host" and params.get("do_remote_decode")):
+            return None
+        return self._tail(request)
+
+    def mark_prefill(self, request: Request, block_ids: list[int]) -> None:
+        """Mode direct: this step's forward pass completes the prompt; the worker marks its blocks after it."""
+        if request.request_id in self._marked:
+            return
+        hold = self._direct_hold(request, block_ids)
+        if hold is not None:
+            self._marked[request.request_id] = hold
+            self._new_direct[request.request_id] = hold
+
+    def preempted(self, request_id: str) -> None:
+        """Its blocks go back to vLLM: clear their marks before anything overwrites them."""
+        if self._marked.pop(request_id, None) is not None:
+            self._new_direct.pop(request_id, None)
+            self._unmark_direct.append(request_id)
+
+    # ------------------------------------------------------------------ producer
+    def request_finished(self, request: Request, block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks?, hand-off params) for a finished request."""
+        params = request.kv_transfer_params or {}
+        if not self.is_producer or not params.get("do_remote_decode"):
+            return False, None
+        deadline = time.monotonic() + self.settings.handoff_timeout_s
+        tail_tokens = 0
+        if self.settings.mode == "direct":
+            rid = request.request_id
+            marked = self._marked.pop(rid, None)
+            hold = self._direct_hold(request, list(block_ids or [])) if _length_capped(request) else None
+            if hold is None:
+                held, where = [], []
+                if marked is not None:  # stopped or aborted: no decode to hand off to
+                    self._new_direct.pop(rid, None)
+                    self._unmark_direct.append(rid)
+            else:
+                if self.pins is None:
+                    raise RuntimeError("tiercache P/D: mode direct needs vLLM's block pool "
+                                       "(bind_kv_cache_manager was not called)")
+                held, where = list(hold.keys), [b for blocks in hold.blocks for b in blocks]
+                tail_tokens = hold.tail_tokens
+                if hold != marked:  # not marked at its prefill step (or other blocks since): mark now
+                    self._new_direct[rid] = hold
+                self._holds[rid] = _Hold(held, deadline, direct=True)
+                # our own reference: vLLM frees the request now and the blocks stay allocated
+                self.pins.pin(where)
+                self._pinned[rid] = _Pinned(where, deadline)
+        else:
+            prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
+            keys = self.keys.chunk_keys(request.block_hashes)[:prompt_chunks]
+            tail = self._tail(request) if len(keys) == prompt_chunks else None
+            held = self.manager.hold(keys + ([tail.key] if tail else []))  # a prefix of them
+            where = self.manager.host_slots(held)
+            if tail is not None and len(held) == len(keys) + 1:
+                tail_tokens = tail.tokens
+            elif tail is not None:
+                self.manager.discard([tail.key])  # stored, but a chunk before it is missing: useless
+            if held:
+                self._holds[request.request_id] = _Hold(held, deadline, tail=tail.key if tail_tokens else None)
+        self.counters["handoffs_offered"] += 1
+        return False, Handoff(
+            engine_id=self.engine_id, host=self.settings.host, port=self.settings.port,
+            request_id=request.request_id, keys=tuple(held), slots=tuple(where), fingerprint=self.fingerprint,
+            tp_size=self.tp_size, mode=self.settings.mode, tail_tokens=tail_tokens,
+        ).to_params()
+
+    def take_direct(self) -> tuple[dict[str, DirectHold], list[str], list[str]]:
+        """For the step's metadata: marks to set, marks to clear, expired hand-offs to release."""
+        new, self._new_direct = self._new_direct, {}
+        unmark, self._unmark_direct = self._unmark_direct, []
+        released, self._released_direct = self._released_direct, []
+        return new, unmark, released
+
+    def _end_hold(self, rid: str, hold: _Hold, outcome: str) -> None:
+        if hold.direct:
+            if outcome == "expired":
+                self._force_release(rid)
+            # read: the workers that heard the notice cleared the tags already and report it
+        else:
+            self.manager.complete_load(hold.keys)
+            if hold.tail is not None:
+                self.manager.discard([hold.tail])  # only a hand-off looks a tail up: free its slot now
+        self.counters[f"handoffs_{outcome}"] += 1
+
+    def _force_release(self, rid: str) -> None:
+        """Every worker clears the hand-off's tags at the next step and reports it (then: unpin)."""
+        pinned = self._pinned.get(rid)
+        if pinned is not None and not pinned.forced:
+            pinned.forced = True
+            self._released_direct.append(rid)
+
+    def blocks_released(self, ranks: Mapping[str, set[int]]) -> None:
+        """Workers (TP ranks) cleared these hand-offs' tags: unpin the blocks once all have."""
+        for _, pinned in _take_reported(self._pinned, ranks, self.tp_size):
+            assert self.pins is not None
+            self.pins.unpin(pinned.blocks)
+
+    def handoffs_read(self, ranks: Mapping[str, set[int]]) -> None:
+        """Workers (TP ranks) saw their consumers' read notifications: a hold ends once every rank has.
+
+        With TP > 1 each consumer rank READs its own shard from the producer rank of the
+        same number and notifies that rank; ending the hold on the first notice would
+        let a via_host slot be reused while another rank still reads it (the tags would
+        catch it, and that rank's request would be recomputed).
+        """
+        for rid, hold in _take_reported(self._holds, ranks, self.tp_size):
+            self._end_hold(rid, hold, "read")
+
+    def expire(self, now: float | None = None) -> None:
+        """Release holds nobody read in time (called every step)."""
+        now = time.monotonic() if now is None else now
+        for rid in [r for r, h in self._holds.items() if h.deadline <= now]:
+            hold = self._holds.pop(rid)
+            self._end_hold(rid, hold, "expired")
+            logger.info("tiercache P/D: hand-off of %s (%d chunks) expired unread", rid, len(hold.keys))
+        for rid in [r for r, p in self._pinned.items() if p.deadline <= now and not p.forced]:
+            # read, but some worker never heard (another TP rank's consumer failed): clear it anyway
+            self._force_release(rid)
+
+    # ------------------------------------------------------------------ consumer
+    def learn(self, request: Request, keys: list[bytes]) -> None:
+        """Before the lookup: teach the manager what the request's producer holds."""
+        if not self.is_consumer or request.request_id in self._asked:
+            return
+        self._asked.add(request.request_id)
+        try:
+            handoff = Handoff.from_params(request.kv_transfer_params or {})
+        except HandoffError as exc:
+            logger.error("tiercache P/D: request %s: %s; recomputing", request.request_id, exc)
+            self.counters["handoffs_refused"] += 1
+            return
+        if handoff is None:
+            return
+        # another TP size is accepted when only it differs (tiercache.pd.heads: head-split reads)
+        diff = tp_mismatches(self.fingerprint, handoff.fingerprint)
+        if handoff.tp_size != self.tp_size and not diff and handoff.fingerprint.get("tp_size") != handoff.tp_size:
+            diff = [f"tp_size: params {handoff.tp_size}, fingerprint {handoff.fingerprint.get('tp_size')!r}"]
+        if diff:
+            logger.error("tiercache P/D: refusing the hand-off of request %s from %s (%s:%d): "
+                         "incompatible peer: %s; recomputing", request.request_id, handoff.engine_id,
+                         handoff.host, handoff.port, "; ".join(diff))
+            self.counters["handoffs_refused"] += 1
+            return
+        full = handoff.full_keys
+        if tuple(keys[:len(full)]) != full:
+            logger.error("tiercache P/D: request %s: the producer's chunk keys do not match this "
+                         "prompt (different tokens?); recomputing", request.request_id)
+            self.counters["handoffs_refused"] += 1
+            return
+        offered = list(handoff.keys)
+        if handoff.tail_key is not None:
+            ours = self._tail(request)
+            if ours is not None and (ours.key, ours.chunk, ours.tokens) == (handoff.tail_key, len(full),
+                                                                            handoff.tail_tokens):
+                self._tails[request.request_id] = ours.key
+            else:  # the chunks are still good; this engine computes the tail
+                logger.warning("tiercache P/D: request %s: the producer's prompt tail does not match this "
+                               "prompt's; its %d tokens are recomputed", request.request_id, handoff.tail_tokens)
+                offered.pop()
+        src = PeerSource(handoff.host, handoff.port, handoff.request_id,
+                         handoff.tp_size if handoff.tp_size != self.tp_size else 0)
+        self.manager.learn(PEER_TIER, offered)
+        if handoff.mode == "direct":
+            for key, blocks in zip(offered, handoff.blocks_of(self.blocks_per_chunk)):
+                self._sources[key] = PeerChunk(src, -1, blocks, key_tag(key))
+        else:
+            for key, slot in zip(offered, handoff.slots):
+                self._sources[key] = PeerChunk(src, slot, tag=key_tag(key))
+
+    def tail_key(self, request: Request, chunks: int) -> bytes | None:
+        """Consumer: the checked tail key of ``request``'s hand-off, when the tail is chunk ``chunks`` (else None)."""
+        key = self._tails.get(request.request_id)
+        if key is None or chunks != request.num_prompt_tokens // self.chunk_tokens:
+            return None
+        return key
+
+    def sources_for(self, tiers: tuple[str, ...], keys: tuple[bytes, ...]) -> dict[bytes, PeerChunk]:
+        """Where the producers hold the keys a load plan reads from a peer tier."""
+        return {k: self._sources[k] for k, t in zip(keys, tiers) if t == PEER_TIER and k in self._sources}
+
+    def load_finished(self, keys: tuple[bytes, ...], failed: set[bytes]) -> None:
+        """A load ended: forget what the producer held (it releases the chunks now)."""
+        peer_keys = [k for k in keys if self._sources.pop(k, None) is not None]
+        if peer_keys:
+            self.manager.forget(PEER_TIER, peer_keys)
+            self.counters["handoff_chunks_received"] += sum(1 for k in peer_keys if k not in failed)
+
+    def forget_request(self, request_id: str) -> None:
+        self._asked.discard(request_id)
+        self._tails.pop(request_id, None)
+
+
+def _length_capped(request: Request) -> bool:
+    """The prefill ended on max_tokens (a P/D proxy's max_tokens=1), not on a stop or an abort.
+
+    Mode direct keeps the device blocks only then, as vLLM's NixlConnector does:
+    a request that stopped or was aborted has no decode to hand off to.
+    """
+    from vllm.v1.request import RequestStatus
+
+    return getattr(request, "status", None) == RequestStatus.FINISHED_LENGTH_CAPPED

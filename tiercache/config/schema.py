@@ -1,0 +1,307 @@
+"""tiercache configuration: typed, frozen, validated before anything is allocated.
+
+Sources, highest precedence first:
+
+1. inline overrides (the keys of vLLM's ``kv_connector_extra_config`` other
+   than ``config_file``, or keyword arguments to :func:`load_config`);
+2. ``TIERCACHE_*`` environment variables (nested keys with ``__``, e.g.
+   ``TIERCACHE_CHUNK_TOKENS=512``, ``TIERCACHE_METRICS__PORT=9400``; lists such
+   as ``TIERCACHE_TIERS`` are JSON);
+3. the YAML file named by ``config_file``;
+4. the defaults below.
+
+Every model forbids unknown keys, so a typo is an error that names the key.
+Sizes accept ints or strings like ``"16GiB"``. Engine-dependent checks (the
+chunk size must be a multiple of the engine block size) are made by
+:meth:`TierCacheConfig.check_engine`, which the connector calls at start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from tiercache.config.sizes import parse_size
+
+# ConfigError is defined in yaml_config (shared with the server's config); callers import it here.
+from tiercache.config.yaml_file import ConfigError, load_settings
+from tiercache.config.yaml_file import YamlFileSource as _YamlSource
+
+ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
+PolicyName = Literal["lru", "arc"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def _upper(value: Any) -> Any:
+    return value.strip().upper() if isinstance(value, str) else value
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TierConfig(_Frozen):
+    """One storage tier. The first tier in the list is the host-memory staging tier."""
+
+    name: str = Field(description="Unique tier name, used in metrics and stats.")
+    backend: str = Field(
+        default="cpu", description="Backend plugin name (built-in or entry point)."
+    )
+    capacity: ByteSize = Field(description="Byte budget this tier never exceeds.")
+    policy: PolicyName = Field(default="lru", description="Eviction policy of this tier.")
+    mode: Literal["write_through", "write_back"] = Field(
+        default="write_through",
+        description="Lower tiers: receive every chunk the host tier stores (write_through), or "
+        "the host tier's coldest chunks when it runs full (write_back).",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Backend-specific settings, validated by the backend."
+    )
+
+
+class HostTierOptions(_Frozen):
+    """``options`` of the host (cpu) tier, the first in ``tiers``."""
+
+    prefault: bool | None = Field(
+        default=None,
+        description="Touch every page of the host slab at start-up, committing the whole capacity "
+        "at once. Otherwise pageable memory is committed as chunks arrive, and each first write "
+        "into a page costs a page fault: a NIXL read into never-touched slots ran about 40x slower "
+        "(docs/PERFORMANCE.md), host copies several times slower. Default: on for an engine in a "
+        "P/D role, off otherwise. A pinned slab (CUDA) is always committed.",
+    )
+    layout: Literal["slots", "planes"] | None = Field(
+        default=None,
+        description="How chunks sit in the host slab. slots: each chunk's bytes in one run "
+        "(lower tiers read and write slots in place). planes: one plane per KV region (a "
+        "layer's K or V), so chunks in consecutive slots are one run per region: a P/D consumer "
+        "READs a hand-off in a few large NIXL descriptors instead of one per chunk and region "
+        "(8 instead of 504 for 2048 tokens of an 8-region model in 32-token chunks), at the cost of a gather/scatter "
+        "copy when chunks move to or from a lower tier. Default: planes for a producer in "
+        "pd.mode via_host, slots otherwise.",
+    )
+
+
+class FaultConfig(_Frozen):
+    """Fault injection for tests and drills; all off by default."""
+
+    fail_loads: bool = Field(
+        default=False, description="Every load from the host tier fails (recompute path)."
+    )
+    corrupt_loads: bool = Field(
+        default=False,
+        description="Loads succeed but zero the loaded blocks (negative controls only).",
+    )
+
+
+class DeadlineConfig(_Frozen):
+    """How long a job may wait on a lower tier before it is failed (docs/architecture.md, Faults)."""
+
+    load_s: float = Field(
+        default=5.0, gt=0, le=3600,
+        description="A load's reads from lower tiers (disk, LMDB, Redis, the cache server, plugins) "
+        "end within this many seconds: past it the chunks still owed are failed and vLLM recomputes "
+        "them (in load_mode sync, the step waits at most this long). A late read lands in its host "
+        "staging slot only, which stays reserved until the backend reports.",
+    )
+    store_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="A demotion (host tier -> lower tier) not reported within this many seconds marks "
+        "its tier stalled: further jobs of that tier fail at once (misses, no waiting) until the late "
+        "ones are reported. A demotion the backend never received is failed at once.",
+    )
+    lookup_s: float = Field(
+        default=1.0, gt=0, le=60,
+        description="A shared tier (Redis, the cache server) that has not said which chunks it holds "
+        "within this many seconds holds none of them for that request (a miss); the request waits "
+        "for the answer at most this long.",
+    )
+
+
+class MetricsConfig(_Frozen):
+    port: int | None = Field(
+        default=None, ge=0, le=65535, description="Serve Prometheus /metrics on this port."
+    )
+    host: str = Field(default="127.0.0.1", description="Bind address of the /metrics server.")
+
+
+class PDConfig(_Frozen):
+    """Prefill/decode hand-off (kv_role kv_producer / kv_consumer; see docs/pd.md)."""
+
+    mode: Literal["via_host", "direct"] = Field(
+        default="via_host",
+        description="Producer: via_host (default): the prompt's chunks are copied into the host tier, "
+        "registered with NIXL, and the device blocks are freed at once. direct: the device blocks "
+        "stay allocated (pinned by tiercache in vLLM's block pool) until the consumer has read them "
+        "straight from the engine's KV tensors (no host copy on either side), or until "
+        "handoff_timeout_s.",
+    )
+    nixl_error_handling: Literal["none", "peer"] = Field(
+        default="none",
+        description="UCX error-handling mode of tiercache's NIXL agents. none (default): one-sided "
+        "transports (shared memory / CMA on one host, RDMA) are allowed, so a read needs no help "
+        "from the producer's CPU; a dead producer still fails the read (or read_timeout_s does). "
+        "peer: UCX's peer-failure handling, which on one host rules out those transports (UCX "
+        "falls back to tcp, and the producer must progress UCX for every read).",
+    )
+    busy_progress: bool | None = Field(
+        default=None,
+        description="Producer: while hand-offs are held, run a thread that progresses UCX every "
+        "0.2 ms (needed when reads go over tcp; with one-sided transports nothing needs it). "
+        "Default: on with nixl_error_handling peer, off with none.",
+    )
+    host: str = Field(
+        default="127.0.0.1",
+        description="Producer: address its side channel binds and advertises to consumers.",
+    )
+    port: int = Field(
+        default=5700, ge=1, le=65535 - 64,
+        description="Producer: side-channel TCP port of TP rank 0 (rank r listens on port + r).",
+    )
+    handoff_timeout_s: float = Field(
+        default=120.0, gt=0,
+        description="Producer: a hand-off nobody read after this long is released (its memory returns).",
+    )
+    read_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="Consumer: longest wait for a producer (handshake, readiness, the NIXL read); "
+        "past it the load fails and the engine recomputes.",
+    )
+    keep_received: bool = Field(
+        default=True,
+        description="Consumer: offer what a hand-off delivered to its own host tier (the normal store "
+        "path: a copy out of the blocks per hand-off; both modes READ straight into the blocks). "
+        "false: a pure decode engine.",
+    )
+    huge_pages: bool = Field(
+        default=True,
+        description="Back the host memory a peer's NIXL READ copies from or into with 2 MiB "
+        "transparent huge pages: the host slab (a prefaulted slab only) and, where vLLM keeps the KV "
+        "cache in host memory (its CPU platform), the engine's KV tensors, moved in place at "
+        "start-up (MADV_COLLAPSE, contents kept). On one host a READ pins its source one 4 KiB "
+        "page at a time: 31.5 MiB took 3.3 ms from small pages and 1.8 ms from huge ones "
+        "(docs/PERFORMANCE.md). Best effort: a kernel without THP (or set to never) keeps small "
+        "pages, and the worker's log says how much became huge.",
+    )
+    max_peer_chunks: int = Field(
+        default=65536, ge=1,
+        description="Consumer: how many announced producer chunks it remembers at once.",
+    )
+
+
+class TierCacheConfig(BaseSettings):
+    """The whole tiercache configuration (frozen once built)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TIERCACHE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    chunk_tokens: int = Field(
+        default=256, gt=0, description="Tokens per chunk; a multiple of the engine block size."
+    )
+    tiers: tuple[TierConfig, ...] = Field(
+        default=(TierConfig(name="cpu", backend="cpu", capacity=4 << 30),),
+        min_length=1,
+        description="Tier chain, fastest first. The first must be the host (cpu) tier.",
+    )
+    offload_decode_tokens: bool = Field(
+        default=True, description="Also store chunks filled by generated tokens (multi-turn hits)."
+    )
+    namespace_salt: str = Field(
+        default="", description="Tenant salt mixed into every key's namespace digest."
+    )
+    load_failure_policy: Literal["recompute", "fail"] = Field(
+        default="recompute",
+        description="What vLLM does with a failed load: recompute the blocks, or fail the request.",
+    )
+    load_mode: Literal["sync", "async"] = Field(
+        default="sync",
+        description="sync: a hit is loaded right before the forward pass that needs it (lowest "
+        "time-to-first-token); async: the request waits off the batch until its load is done "
+        "(other requests keep running meanwhile).",
+    )
+    copy_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="Host-side copy threads on the CPU platform (default: 2, at most the usable cores).",
+    )
+    log_level: Annotated[LogLevel | None, BeforeValidator(_upper)] = Field(
+        default=None,
+        description="Level of tiercache's own log lines, which go to vLLM's log (default: vLLM's level, "
+        "VLLM_LOGGING_LEVEL). DEBUG shows each P/D read's timings.",
+    )
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
+    pd: PDConfig | None = Field(
+        default=None,
+        description="Prefill/decode hand-off settings. kv_producer/kv_consumer engines use the "
+        "defaults when absent; a kv_both engine does P/D only when this section is present.",
+    )
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> "TierCacheConfig":
+        names = [t.name for t in self.tiers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tiers: duplicate tier names {dupes}")
+        if self.tiers[0].backend != "cpu":
+            raise ValueError(
+                f"tiers.0.backend: the first tier is the host staging tier and must be "
+                f"'cpu', got {self.tiers[0].backend!r}"
+            )
+        try:
+            HostTierOptions(**self.tiers[0].options)
+        except ValidationError as exc:
+            wrong = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"tiers.0.options (host tier): {wrong} (allowed: prefault)") from None
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    def check_engine(self, block_size: int) -> None:
+        """Raise ConfigError if this config cannot run with the engine's block size."""
+        if block_size <= 0 or self.chunk_tokens % block_size:
+            raise ConfigError(
+                f"chunk_tokens: {self.chunk_tokens} is not a multiple of the engine "
+                f"block size {block_size} (try {max(1, self.chunk_tokens // block_size or 1) * block_size})"
+            )
+
+    @property
+    def host_tier(self) -> TierConfig:
+        return self.tiers[0]
+
+    @property
+    def host_options(self) -> HostTierOptions:
+        return HostTierOptions(**self.host_tier.options)
+
+
+def load_config(config_file: str | Path | None = None, **overrides: Any) -> TierCacheConfig:
+    """Build the config from a YAML file, TIERCACHE_* env vars and inline overrides.
+
+    Raises ConfigError naming every offending key (and the allowed values).
+    """
+    return load_settings(TierCacheConfig, config_file, overrides, title="invalid tiercache config")
+
+
+def config_from_extra(extra: dict[str, Any] | None) -> TierCacheConfig:
+    """Build the config from vLLM's ``kv_connector_extra_config`` dict."""
+    extra = dict(extra or {})
+    config_file = extra.pop("config_file", None)
+    return load_config(config_file, **extra)
