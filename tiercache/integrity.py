@@ -225,6 +225,21 @@ def verify_frame(
     return head
 
 
+def compact_payload(frame: memoryview, namespace: bytes, key: bytes) -> memoryview:
+    """The payload of ``frame``, a whole compact frame verified as ``key``'s in ``namespace``.
+
+    A view into ``frame`` (no copy). Raises FrameFormatError or ChecksumMismatch
+    (both IntegrityError), as :func:`verify_frame` does; a value too short to
+    hold the header is a FrameFormatError too.
+    """
+    header_len = compact_header_len(len(key))
+    if frame.nbytes < header_len:
+        raise FrameFormatError(f"a value of {frame.nbytes} bytes is no frame")
+    payload = frame[header_len:]
+    verify_frame(frame[:header_len], payload, namespace, key)
+    return payload
+
+
 def decode_frame(
     frame: memoryview | bytes | bytearray, namespace: bytes, key: bytes, out: memoryview
 ) -> None:

@@ -1,10 +1,14 @@
 """The disk tier: one file per chunk under a namespaced directory tree.
 
-The code is split in three modules: this one (:class:`DiskBackend`: the
-index, the free pool, the byte budget, jobs and their threads),
-:mod:`tiercache.backends.disk.layout` (the tree's layout and file names, and
-the warm-restart scan) and :mod:`tiercache.backends.disk.file_io` (frame reads and
-writes, the I/O-mode probe, syncs and other file-system helpers).
+The code is split in modules: this one (:class:`DiskBackend`: start-up,
+the Backend calls, job submission), :mod:`tiercache.backends.disk.settings`
+(the options, re-exported here), :mod:`tiercache.backends.disk.index` (the
+index, the free pool, the byte budget, the job record),
+:mod:`tiercache.backends.disk.tasks` (what the pool threads run: one task
+per key, a job's completion and fsync), :mod:`tiercache.backends.disk.layout`
+(the tree's layout and file names, and the warm-restart scan) and
+:mod:`tiercache.backends.disk.file_io` (frame reads and writes, the I/O-mode
+probe, syncs and other file-system helpers).
 
 Layout, in short: ``<root>/<namespace hex>/rank<r>/<fan-out>/<key hex>.chunk``
 for chunks and ``.../rank<r>/free/<name>.free`` for files kept for reuse. Each
@@ -71,64 +75,32 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field
-
-from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
-from tiercache.backends.disk.index import COUNTERS, DiskIndex, Job, Outcome
+from tiercache.backend import Backend, BackendContext, JobResult
 from tiercache.backends.disk.file_io import (
     DIRECT,
     FrameIO,
     choose_io_mode,
     find_syncfs,
-    fsync_dir,
     is_flat,
     make_tree,
-    rename_into,
-    syncfs,
-    unlink,
 )
+from tiercache.backends.disk.index import COUNTERS, Job, Outcome
 from tiercache.backends.disk.layout import (
     CHUNK_SUFFIX,  # noqa: F401 (still importable from here)
     FANOUT,
     FREE_DIR,
     FREE_SUFFIX,  # noqa: F401 (still importable from here)
     MAX_KEY_BYTES,
-    TMP_SUFFIX,
     chunk_path,
 )
-from tiercache.config.schema import ConfigError
-from tiercache.integrity import ChecksumMismatch, IntegrityError
+from tiercache.backends.disk.settings import DiskSettings, check_context
+from tiercache.backends.disk.tasks import DiskTasks
 
 logger = logging.getLogger(__name__)
 
 
-class DiskSettings(BackendSettings):
-    """Options of a disk tier (``options:`` of a ``backend: disk`` tier in YAML)."""
-
-    root: Path = Field(description="Directory holding the tier; namespaced sub-trees go under it.")
-    io_threads: int = Field(
-        default=4, ge=1, le=64, description="Worker threads doing the file I/O."
-    )
-    fsync: Literal["none", "batch", "always"] = Field(
-        default="batch",
-        description="none: never; batch: a job's files and directories before it is reported; "
-        "always: every file and its directory as it is written.",
-    )
-    direct_io: Literal["auto", "on", "off"] = Field(
-        default="auto",
-        description="O_DIRECT I/O: auto = where the filesystem allows it (else buffered), "
-        "on = required (start-up error otherwise), off = buffered I/O.",
-    )
-    reuse_files: bool = Field(
-        default=True,
-        description="Keep deleted chunks' files (inside the budget) and overwrite them in place "
-        "for new chunks; false: unlink them, returning the space to the filesystem at once.",
-    )
-
-
-class DiskBackend(DiskIndex, Backend):
+class DiskBackend(DiskTasks, Backend):
     """Chunks as files: aligned, checksummed frames; O_DIRECT or buffered; poll-based."""
 
     name = "disk"
@@ -136,7 +108,7 @@ class DiskBackend(DiskIndex, Backend):
     verifies_integrity = True  # aligned frames, checked on every load
 
     def __init__(self, settings: DiskSettings, context: BackendContext) -> None:
-        _check_context(context)
+        check_context(context)
         self.settings = settings
         self.context = context
         self.chunk_bytes = context.chunk_bytes
@@ -156,6 +128,7 @@ class DiskBackend(DiskIndex, Backend):
         self._seq = itertools.count()
         self._gen = itertools.count(1)
         self._lock = threading.Lock()
+        self._syncfs = _SYNCFS  # read at open from this module (tests patch it)
         self._sync_lock = threading.Lock()  # fsync=batch: one syncfs at a time
         self._sync_ticket = 0  # put jobs that asked for a sync (under _lock)
         self._synced_upto = 0  # tickets a finished sync covered (under _sync_lock)
@@ -285,14 +258,14 @@ class DiskBackend(DiskIndex, Backend):
             raise RuntimeError(f"disk tier {self.context.tier_name} is closed")
         if len(keys) != len(views):
             raise ValueError(f"{len(keys)} keys but {len(views)} views")
-        keys = tuple(bytes(k) for k in keys)
+        keys = [bytes(k) for k in keys]
         flat = [self._usable_view(k, v, writable=not is_put) for k, v in zip(keys, views)]
         n = len(keys)
         return Job(
+            "put" if is_put else "get",
             job_id,
-            is_put,
             keys,
-            flat,
+            flat,  # type: ignore[arg-type] # None where the key failed at once (never read)
             outcome=[Outcome.OK if v is not None else Outcome.FAILED for v in flat],
             admitted=[False] * n,
             sources=[None] * n,
@@ -318,165 +291,9 @@ class DiskBackend(DiskIndex, Backend):
         if not todo:
             self._finish(job)
             return
-        task = self._put_task if job.is_put else self._get_task
+        task = self._put_task if job.kind == "put" else self._get_task
         for i in todo:
             self._pool.submit(task, job, i)
 
-    # ------------------------------------------------------------------ pool threads
-    def _put_task(self, job: Job, i: int) -> None:
-        key, view = job.keys[i], job.views[i]
-        path = self.path_of(key)
-        staged: str | None = None
-        outcome = Outcome.FAILED
-        try:
-            fd, staged = self._open_for_write(job, i, path)
-            try:
-                self._write_frame(fd, key, view)  # type: ignore[arg-type]
-            finally:
-                os.close(fd)
-            rename_into(staged, path)
-            outcome = Outcome.FAILED_RENAMED
-            if self.settings.fsync == "always":
-                fsync_dir(os.path.dirname(path))
-            outcome = Outcome.OK
-        except OSError as exc:
-            self._count_os_error(exc, "put", path)
-        except Exception:  # a bug must still end the job, never hang it
-            logger.exception("disk tier %s: put of %s failed", self.context.tier_name, path)
-        if outcome is Outcome.FAILED and staged is not None and staged != job.sources[i]:
-            unlink(staged)  # our half-written temporary file
-        self._key_done(job, i, outcome)
 
-    def _open_for_write(self, job: Job, i: int, path: str) -> tuple[int, str]:
-        """Open the free file the key took, or else a new temporary file next to ``path``."""
-        source = job.sources[i]
-        if source is not None:
-            try:
-                return os.open(source, self._open_reuse), source
-            except FileNotFoundError:
-                job.sources[i] = None  # removed behind our back: its unit is a new file's now
-        tmp = f"{path}.{self._tag}-{next(self._seq)}{TMP_SUFFIX}"
-        try:
-            return os.open(tmp, self._open_new, 0o644), tmp
-        except FileNotFoundError:  # the first chunk in its fan-out directory
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            return os.open(tmp, self._open_new, 0o644), tmp
-
-    def _write_frame(self, fd: int, key: bytes, view: memoryview) -> None:
-        """Write the aligned frame of ``key`` at offset 0; fdatasync it if ``fsync`` asks."""
-        self._frames.write(fd, key, view)
-        if self.settings.fsync == "always" or (self.settings.fsync == "batch" and not _SYNCFS):
-            os.fdatasync(fd)
-
-    def _get_task(self, job: Job, i: int) -> None:
-        key, view = job.keys[i], job.views[i]
-        path = self.path_of(key)
-        outcome = Outcome.FAILED
-        try:
-            self._frames.read(path, key, view)  # type: ignore[arg-type]
-            outcome = Outcome.OK
-        except FileNotFoundError:  # removed behind our back: forget it too
-            self._count("misses")
-            self._quarantine_key(key, job.gens[i])
-        except IntegrityError as exc:
-            self._count(
-                "checksum_failures" if isinstance(exc, ChecksumMismatch) else "malformed_frames"
-            )
-            logger.warning("disk tier %s: %s: %s", self.context.tier_name, path, exc)
-            self._quarantine_key(key, job.gens[i])
-        except OSError as exc:
-            self._count_os_error(exc, "get", path)
-        except Exception:
-            logger.exception("disk tier %s: get of %s failed", self.context.tier_name, path)
-        self._key_done(job, i, outcome)
-
-    # ------------------------------------------------------------------ completion
-    def _key_done(self, job: Job, i: int, outcome: Outcome) -> None:
-        with self._lock:
-            job.outcome[i] = outcome
-            job.remaining -= 1
-            last = job.remaining == 0
-        if last:
-            self._finish(job)
-
-    def _finish(self, job: Job) -> None:
-        """Runs once per job, on the thread that ended its last key (or the submitter)."""
-        if job.is_put and self.settings.fsync == "batch":
-            self._sync_job(job)
-        with self._lock:
-            if job.is_put:
-                self._commit_puts(job)
-            else:
-                self._release_readers(job)
-            ok = tuple(k for k, o in zip(job.keys, job.outcome) if o is Outcome.OK)
-            failed = tuple(k for k, o in zip(job.keys, job.outcome) if o is not Outcome.OK)
-            op = "puts" if job.is_put else "gets"
-            self._counters[op] += len(ok)
-            self._counters[op[:-1] + "_failures"] += len(failed)
-            job.views.clear()  # never keep a caller's view past its JobResult
-            self._results.append(
-                JobResult(
-                    job.job_id,
-                    ok,
-                    failed,
-                    len(ok) * self.chunk_bytes,
-                    time.perf_counter() - job.start,
-                )
-            )
-
-    def _sync_job(self, job: Job) -> None:
-        """fsync=batch: make a put job's files and renames durable before it is reported.
-
-        On Linux one ``syncfs`` of the tier's filesystem does it, shared by every
-        job whose renames were done when it started (group commit: concurrent
-        jobs wait for one sync instead of issuing their own). Elsewhere, the
-        files were fdatasynced before their renames and each directory the
-        job renamed into is fsynced once.
-        """
-        if _SYNCFS:
-            self._group_sync(job)
-            return
-        dirs: dict[str, list[int]] = {}
-        for i, key in enumerate(job.keys):
-            if job.outcome[i] is Outcome.OK:
-                dirs.setdefault(os.path.dirname(self.path_of(key)), []).append(i)
-        for directory, members in dirs.items():
-            try:
-                fsync_dir(directory)
-            except OSError as exc:
-                self._count_os_error(exc, "fsync", directory)
-                for i in members:
-                    job.outcome[i] = Outcome.FAILED_RENAMED
-
-    def _group_sync(self, job: Job) -> None:
-        with self._lock:
-            self._sync_ticket += 1
-            ticket = self._sync_ticket  # every rename this job made happened before this
-        with self._sync_lock:
-            if self._synced_upto >= ticket:
-                return  # a sync that started after our renames has finished
-            with self._lock:
-                covers = self._sync_ticket
-            try:
-                syncfs(self._dir, _SYNCFS)
-            except OSError as exc:
-                self._count_os_error(exc, "fsync", self._dir)
-                for i, outcome in enumerate(job.outcome):
-                    if outcome is Outcome.OK:
-                        job.outcome[i] = Outcome.FAILED_RENAMED
-                return
-            self._synced_upto = covers
-
-
-# ---------------------------------------------------------------------------- start-up
-def _check_context(context: BackendContext) -> None:
-    if len(context.namespace) != 8:
-        raise ConfigError(f"disk tier {context.tier_name}: namespace digest must be 8 bytes")
-    if context.chunk_bytes <= 0 or context.capacity_bytes < 0:
-        raise ConfigError(
-            f"disk tier {context.tier_name}: chunk_bytes {context.chunk_bytes} and capacity "
-            f"{context.capacity_bytes} must be positive"
-        )
-
-
-_SYNCFS = find_syncfs()  # read through this module at call time (tests patch it)
+_SYNCFS = find_syncfs()  # read by each backend as it opens (tests patch it)

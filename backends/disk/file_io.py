@@ -42,9 +42,8 @@ from tiercache.integrity import (
     verify_frame,
 )
 
-# Records go to the disk tier's logger (``tiercache.backends.disk.backend``), the name
-# log configurations filter on.
-logger = logging.getLogger(f"{__package__}.disk")
+# The tier's one logger: its backend module's name, the name log configurations filter on.
+logger = logging.getLogger(f"{__package__}.backend")
 
 DIRECT = getattr(os, "O_DIRECT", 0)
 NOSPACE = (errno.ENOSPC, errno.EDQUOT)

@@ -25,21 +25,20 @@ import itertools
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
 from tiercache.backends.disk.file_io import NOSPACE, unlink
 from tiercache.backends.disk.layout import FREE_SUFFIX, scan_tree
+from tiercache.tiers.worker_lanes import PartedJob
 
 if TYPE_CHECKING:
     from tiercache.backend import BackendContext
-    from tiercache.backends.disk.backend import DiskSettings
+    from tiercache.backends.disk.settings import DiskSettings
 
-# Records go to the disk tier's logger (``tiercache.backends.disk.backend``), the name
-# log configurations filter on.
-logger = logging.getLogger(f"{__package__}.disk")
+# The tier's one logger: its backend module's name, the name log configurations filter on.
+logger = logging.getLogger(f"{__package__}.backend")
 
 COUNTERS = (
     "puts",
@@ -66,19 +65,17 @@ class Outcome(Enum):
 
 
 @dataclass(eq=False, slots=True)
-class Job:
-    """A submitted job until it is reported; its views are dropped when it is."""
+class Job(PartedJob):
+    """A submitted job until it is reported (one part per key); its views are dropped when it is.
 
-    job_id: int
-    is_put: bool
-    keys: tuple[bytes, ...]
-    views: list[memoryview | None]
-    outcome: list[Outcome]
-    admitted: list[bool]  # put: holds the key's write slot and one budget unit; get: a reader
-    sources: list[str | None]  # put: the free file to overwrite (None: create a new file)
-    gens: list[int]  # get: index generation seen at submission
-    remaining: int = 0
-    start: float = field(default_factory=time.perf_counter)
+    The kit's record, plus what the index decides per key at submission.
+    """
+
+    outcome: list[Outcome] = field(default_factory=list)
+    # put: holds the key's write slot and one budget unit; get: a reader
+    admitted: list[bool] = field(default_factory=list)
+    sources: list[str | None] = field(default_factory=list)  # put: free file to overwrite, or None
+    gens: list[int] = field(default_factory=list)  # get: index generation seen at submission
 
 
 class DiskIndex:

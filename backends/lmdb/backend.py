@@ -39,35 +39,34 @@ Threads. ``submit_put``, ``submit_get``, ``delete``, ``poll``, ``contains``,
 but for ``close`` (which finishes the queued jobs), never wait for I/O
 (``contains``/``recover``/``stats`` run a short read transaction, which LMDB
 never blocks). Jobs run on the backend's own threads
-(``io_threads``, :class:`Workers`): every one of them runs gets (one read
-transaction per job); the first also runs the writes (one write transaction
-per put job; deletes), in submission order, whenever no get is waiting. Each
-thread begins and ends its own transactions. Chunk copies and checksums
-release the GIL. Finished jobs reach the owner through a locked list that
-``poll`` drains. Remapping the environment (adopting a map that another
-process grew) waits until no transaction of this process is open
-(:class:`_MapGate`).
+(``io_threads``, lanes of :class:`~tiercache.tiers.worker_lanes.WorkerLanes`):
+every one of them runs gets (one read transaction per job); the first also
+runs the writes (one write transaction per put job; deletes), in submission
+order, whenever no get is waiting. Each thread begins and ends its own
+transactions. Chunk copies and checksums release the GIL. Finished jobs reach
+the owner through the locked list of a
+:class:`~tiercache.tiers.worker_lanes.JobDesk`, which ``poll`` drains.
+Remapping the environment (adopting a map that another process grew) waits
+until no transaction of this process is open (:class:`_MapGate`).
 
-Files. This module holds the settings and the backend. The environment layer
-(sizing, sub-database names, :class:`SharedEnvironment`, :class:`_MapGate`) is
-in :mod:`tiercache.backends.lmdb.env`, the frame format (:class:`Framer`) in
-:mod:`tiercache.backends.lmdb.frames`, and the I/O threads (:class:`Workers`)
-in :mod:`tiercache.backends.lmdb.workers`.
+Files. This module holds the backend: its jobs, their errors and counters.
+The options are in :mod:`tiercache.backends.lmdb.settings` (re-exported here),
+the environment layer (sizing, sub-database names, :class:`SharedEnvironment`,
+:class:`_MapGate`) in :mod:`tiercache.backends.lmdb.env`, the frame format
+(:class:`Framer`) in :mod:`tiercache.backends.lmdb.frames`, and the
+transactions in :mod:`tiercache.backends.lmdb.transactions`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import lmdb
-from pydantic import Field
 
-from tiercache.backend import Backend, BackendContext, BackendSettings, JobResult
+from tiercache.backend import Backend, BackendContext, JobResult
 from tiercache.backends.lmdb.env import (
     LMDB_PAGE_HEADER_BYTES,
     MAP_HEADROOM_FRACTION,
@@ -79,11 +78,12 @@ from tiercache.backends.lmdb.env import (
     environment_options,
     max_frame_bytes,
 )
-from tiercache.backends.lmdb.frames import Framer, Load
-from tiercache.backends.lmdb.workers import Every, Job, Workers
-from tiercache.buffers import as_key_bytes, flat_byte_view
+from tiercache.backends.lmdb.frames import Framer
+from tiercache.backends.lmdb.settings import LMDBSettings
+from tiercache.backends.lmdb.transactions import Transactions
+from tiercache.buffers import as_key_bytes
 from tiercache.counters import Counters
-from tiercache.config.schema import ByteSize
+from tiercache.tiers.worker_lanes import BackendJob, Every, JobDesk, Outcome, WorkerLanes
 
 logger = logging.getLogger(__name__)
 
@@ -101,50 +101,11 @@ __all__ = [
     "max_frame_bytes",
 ]
 
-#: A record in the main database that a transaction rewrites to move LMDB's txn id on.
-_TICK_KEY = b"tiercache/tick"
-
-
-class LMDBSettings(BackendSettings):
-    """Options of an ``lmdb`` tier (``tiers[i].options`` in YAML)."""
-
-    path: Path = Field(description="Directory of the LMDB environment (created if missing).")
-    map_size: ByteSize | None = Field(
-        default=None,
-        description=(
-            "LMDB map size in bytes. Default: the capacity of every rank of the engine plus "
-            "headroom for LMDB's pages (default_map_size). Set it when other engines share "
-            "the environment."
-        ),
-    )
-    max_readers: int = Field(
-        default=126, ge=1,
-        description="Reader slots; set by the first process that opens the environment.",
-    )
-    sync: bool = Field(
-        default=False,
-        description=(
-            "fsync on every commit. False: an OS crash may lose the latest puts (they become "
-            "misses); LMDB stays consistent, and every load is checksummed anyway."
-        ),
-    )
-    io_threads: int = Field(
-        default=1, ge=1, le=64,
-        description="I/O threads. All run gets; the first also runs puts and deletes, in order.",
-    )
-    subdir: bool = Field(
-        default=True, description="True: path is a directory; False: path is the data file itself."
-    )
-    readonly: bool = Field(
-        default=False, description="Open read-only (another process writes); puts fail."
-    )
-
-
 _COUNTERS = ("puts", "gets", "put_failures", "get_failures", "checksum_failures", "map_full",
              "delete_failures")
+#: The lanes' queues: gets (every thread), writes (the first thread alone, in order).
+_READS, _WRITES = 0, 1
 
-
-_Outcome = tuple[list[bytes], list[bytes], int]  # ok keys, failed keys, payload bytes moved
 _T = TypeVar("_T")
 
 
@@ -174,57 +135,51 @@ class LMDBBackend(Backend):
         self.map_size = settings.map_size or default_map_size(
             self.capacity_chunks * max(1, context.world_size), self.frame_bytes
         )
-        self._framer = Framer(context.namespace, context.chunk_bytes)
         self._counters = Counters(_COUNTERS)
-        self._results: list[JobResult] = []
-        self._results_lock = threading.Lock()
-        # key -> its queued deletes not yet committed. Changed under the lock; get threads
-        # only test membership, which for bytes keys is atomic under the GIL.
-        self._deleting: dict[bytes, int] = {}
-        self._deleting_lock = threading.Lock()
         self._db_lock = threading.Lock()
         self._map_full_log = Every(60.0)
         self._closed = False
         self._shared = SharedEnvironment.acquire(settings, self.map_size)
         self._env = self._shared.env
-        self._gate = self._shared.gate
         try:
             self._db = self._open_db(create=not settings.readonly)
         except BaseException:
             self._shared.release()
             raise
-        self._max_key = min(MAX_KEY_BYTES, self._env.max_key_size())
-        self._workers = Workers(settings.io_threads, self._run, f"lmdb-{context.tier_name}")
+        max_key = min(MAX_KEY_BYTES, self._env.max_key_size())
+        self._desk = JobDesk("lmdb tier", logger, self._counters, context, max_key)
+        self._deleting = self._desk.deleting  # key -> its queued deletes not yet committed
+        self._txns = Transactions(self._shared, Framer(context.namespace, context.chunk_bytes),
+                                  self.capacity_chunks, self._deleting)
+        self._lanes = WorkerLanes(f"lmdb-{context.tier_name}-io", settings.io_threads, 2, self._run,
+                                  where="lmdb worker", first_thread_only={_WRITES})
 
     # ------------------------------------------------------------------ owner thread
     def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
-        job = self._intake("put", job_id, keys, views)
+        refuse = self._closed or self.settings.readonly
+        job = self._desk.intake("put", job_id, keys, views, refuse_all=refuse)
         if job is not None:
-            self._workers.write(job)
+            self._lanes.push(job, _WRITES)
 
     def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
-        job = self._intake("get", job_id, keys, views)
+        job = self._desk.intake("get", job_id, keys, views, refuse_all=self._closed)
         if job is not None:
-            self._workers.read(job)
+            self._lanes.push(job, _READS)
 
     def poll(self) -> list[JobResult]:
-        with self._results_lock:
-            results, self._results = self._results, []
-        return results
+        return self._desk.poll()
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Queue the keys' removal (one write transaction); gets and ``contains`` miss them now."""
         keys = [k for k in map(as_key_bytes, keys) if isinstance(k, bytes) and k]
         if self._closed or self.settings.readonly or not keys:
             return
-        with self._deleting_lock:
-            for key in keys:
-                self._deleting[key] = self._deleting.get(key, 0) + 1
-        self._workers.write(Job("delete", -1, keys))
+        self._lanes.push(self._desk.queue_delete(keys), _WRITES)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the environment holds now (written by any process); all False on an error."""
-        return self._owner_read(self._contains_txn, keys, default=[False] * len(keys))
+        return self._owner_read(self._txns.contains, keys, self._desk.storable,
+                                default=[False] * len(keys))
 
     def recover(self) -> list[bytes]:
         """This namespace's keys, from the B-tree alone: no chunk body is read.
@@ -234,16 +189,16 @@ class LMDBBackend(Backend):
         if self._closed or self._current_db() is None:
             return []
         try:
-            return self._recover_txn()
+            return self._txns.keys(self._db, self.context.namespace)
         except lmdb.MapResizedError:
             self._shared.adopt_grown_map()
-            return self._recover_txn()
+            return self._txns.keys(self._db, self.context.namespace)
 
     def stats(self) -> dict[str, int]:
         """Key counts since open (``puts``, ``gets``, ``*_failures``, ``checksum_failures``,
         ``map_full``) and ``bytes_used``: chunks held now times :attr:`frame_bytes`."""
         out = self._counters.snapshot()
-        out["bytes_used"] = self._owner_read(self._held_chunks_txn, default=0) * self.frame_bytes
+        out["bytes_used"] = self._owner_read(self._txns.held, default=0) * self.frame_bytes
         return out
 
     def close(self) -> None:
@@ -251,70 +206,16 @@ class LMDBBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        self._workers.stop()
+        self._lanes.close()
         self._shared.release()
-        with self._results_lock:
-            self._results.clear()
-
-    # ------------------------------------------------------------------- job intake
-    def _intake(
-        self, kind: Literal["put", "get"], job_id: int, keys: Sequence[bytes],
-        views: Sequence[memoryview],
-    ) -> Job | None:
-        """Check a job's keys and buffers on the owner thread; None once it is already reported."""
-        job = Job(kind, job_id, [], submitted=[as_key_bytes(k) for k in keys])
-        if self._closed or len(keys) != len(views) or (kind == "put" and self.settings.readonly):
-            job.refused = list(job.submitted)
-        else:
-            for key, view in zip(job.submitted, views):
-                flat = flat_byte_view(view, writable=kind == "get")
-                if flat is None or not self._acceptable(key, flat):
-                    job.refused.append(key)
-                else:
-                    job.keys.append(key)
-                    job.views.append(flat)
-        if job.refused:
-            self._counters.add(**{f"{kind}_failures": len(job.refused)})
-        if job.keys:
-            return job
-        self._push(JobResult(job_id, (), tuple(job.refused), 0, 0.0))
-        return None
-
-    def _acceptable(self, key: bytes, view: memoryview) -> bool:
-        return self._storable(key) and 0 < view.nbytes <= self.context.chunk_bytes
-
-    def _storable(self, key: Any) -> bool:
-        """A key of this namespace that LMDB and the frame format can hold."""
-        return (
-            isinstance(key, bytes)
-            and key.startswith(self.context.namespace)
-            and len(key) <= self._max_key
-        )
-
-    def _push(self, result: JobResult) -> None:
-        with self._results_lock:
-            self._results.append(result)
+        self._desk.clear()
 
     # ------------------------------------------------------------------ I/O threads
-    def _run(self, job: Job) -> None:
+    def _run(self, job: BackendJob) -> None:
         """Run one job to its JobResult; nothing escapes into the thread."""
-        start = time.perf_counter()
-        try:
-            ok, failed, moved = self._attempt(job)
-        except Exception:  # a bug or an unforeseen LMDB state: the job fails, the tier lives
-            logger.exception("lmdb tier: %s job %d failed", job.kind, job.job_id)
-            ok, failed, moved = [], list(job.keys), 0
-            self._counters.add(**{f"{job.kind}_failures": len(failed)})
-        finally:
-            if job.kind == "delete":
-                self._forget_deleting(job.keys)
-        if job.kind != "delete":
-            failed = _in_order(job, failed)
-            self._push(JobResult(job.job_id, tuple(ok), tuple(failed), moved,
-                                 time.perf_counter() - start))
-        job.views.clear()  # no reference to the caller's buffers outlives the job
+        self._desk.run(job, self._attempt)
 
-    def _attempt(self, job: Job) -> _Outcome:
+    def _attempt(self, job: BackendJob) -> Outcome:
         """Run the job; if another process grew the map past ours, adopt it and run once more."""
         run = {"put": self._put, "get": self._get, "delete": self._delete}[job.kind]
         try:
@@ -323,9 +224,9 @@ class LMDBBackend(Backend):
             self._shared.adopt_grown_map()
             return run(job)
 
-    def _put(self, job: Job) -> _Outcome:
+    def _put(self, job: BackendJob) -> Outcome:
         try:
-            return self._with_room(self._put_txn, job)
+            ok, over, moved = self._txns.with_room(self._txns.put, self._db, job)
         except lmdb.MapFullError:
             self._counters.add(map_full=len(job.keys), put_failures=len(job.keys))
             if self._map_full_log.due():  # an exhausted map fails every put job: say it rarely
@@ -336,52 +237,17 @@ class LMDBBackend(Backend):
         except lmdb.Error as exc:
             logger.warning("lmdb tier: put job %d failed: %s", job.job_id, exc)
             self._counters.add(put_failures=len(job.keys))
+        else:
+            self._counters.add(puts=len(ok), put_failures=len(over))
+            return ok, over, moved
         return [], list(job.keys), 0
 
-    def _with_room(self, txn_body: Callable[[Job], _Outcome], job: Job) -> _Outcome:
-        """Run a write transaction; if the map is full, make room once and run it again.
-
-        LMDB reuses the pages a transaction freed only from the transaction after
-        the next one on, and never while a reader (even one whose process died)
-        still sees them. So a put right after the delete that made room for it
-        finds the map full; an aborted transaction advances nothing. Making room:
-        clear dead readers' slots and commit a tiny transaction, after which the
-        pages freed before it are free to take.
-        """
-        try:
-            return txn_body(job)
-        except lmdb.MapFullError:
-            self._env.reader_check()
-            with self._gate.shared(), self._env.begin(write=True) as txn:
-                txn.put(_TICK_KEY, time.time_ns().to_bytes(8, "little"))
-            return txn_body(job)
-
-    def _put_txn(self, job: Job) -> _Outcome:
-        """One write transaction: frame and put every chunk that fits the budget."""
-        ok: list[bytes] = []
-        over: list[bytes] = []
-        moved = 0
-        with self._gate.shared(), self._env.begin(db=self._db, write=True) as txn:
-            held = txn.stat(self._db)["entries"]
-            cursor = txn.cursor()
-            for key, view in zip(job.keys, job.views):
-                present = cursor.set_key(key)
-                if not present and held >= self.capacity_chunks:
-                    over.append(key)
-                    continue
-                txn.put(key, self._framer.frame(key, view))
-                held += not present
-                ok.append(key)
-                moved += view.nbytes
-        self._counters.add(puts=len(ok), put_failures=len(over))
-        return ok, over, moved
-
-    def _get(self, job: Job) -> _Outcome:
+    def _get(self, job: BackendJob) -> Outcome:
         if self._current_db() is None:  # read-only, and no writer created the namespace yet
             self._counters.add(get_failures=len(job.keys))
             return [], list(job.keys), 0
         try:
-            ok, failed, moved, corrupt = self._get_txn(job)
+            ok, failed, moved, corrupt = self._txns.get(self._db, job)
         except lmdb.MapResizedError:
             raise
         except lmdb.Error as exc:
@@ -391,29 +257,9 @@ class LMDBBackend(Backend):
         self._counters.add(gets=len(ok), get_failures=len(failed), checksum_failures=corrupt)
         return ok, failed, moved
 
-    def _get_txn(self, job: Job) -> tuple[list[bytes], list[bytes], int, int]:
-        """One read transaction: verify each frame in the map, then copy its payload out."""
-        ok: list[bytes] = []
-        failed: list[bytes] = []
-        moved = corrupt = 0
-        with self._gate.shared(), self._env.begin(db=self._db, buffers=True) as txn:
-            for key, view in zip(job.keys, job.views):
-                frame = None if key in self._deleting else txn.get(key)
-                if frame is None:
-                    outcome = Load.MISSING
-                else:
-                    outcome = self._framer.unframe(key, frame, view)
-                if outcome is Load.OK:
-                    ok.append(key)
-                    moved += view.nbytes
-                else:
-                    failed.append(key)
-                    corrupt += outcome is Load.CORRUPT
-        return ok, failed, moved, corrupt
-
-    def _delete(self, job: Job) -> _Outcome:
+    def _delete(self, job: BackendJob) -> Outcome:
         try:
-            self._with_room(self._delete_txn, job)
+            self._txns.with_room(self._txns.delete, self._db, job)
         except lmdb.MapResizedError:
             raise
         except lmdb.Error as exc:  # the chunks stay; a restart's recover() lists them again
@@ -421,27 +267,12 @@ class LMDBBackend(Backend):
             self._counters.add(delete_failures=len(job.keys))
         return [], [], 0
 
-    def _delete_txn(self, job: Job) -> _Outcome:
-        with self._gate.shared(), self._env.begin(db=self._db, write=True) as txn:
-            for key in job.keys:
-                txn.delete(key)
-        return [], [], 0
-
-    def _forget_deleting(self, keys: list[bytes]) -> None:
-        with self._deleting_lock:
-            for key in keys:
-                left = self._deleting.get(key, 0) - 1
-                if left > 0:
-                    self._deleting[key] = left
-                else:
-                    self._deleting.pop(key, None)
-
     # ------------------------------------------------------------------ environment
     def _open_db(self, create: bool) -> Any:
         """This namespace's and rank's sub-database; None if read-only and not created yet."""
         name = database_name(self.context.namespace, self.context.rank)
         try:
-            with self._gate.shared():
+            with self._shared.gate.shared():
                 return self._env.open_db(name, create=create)
         except lmdb.NotFoundError:
             return None
@@ -454,43 +285,16 @@ class LMDBBackend(Backend):
                     self._db = self._open_db(create=False)
         return self._db
 
-    # ------------------------------------------------------- owner-thread reads
     def _owner_read(self, txn_body: Callable[..., _T], *args: Any, default: _T) -> _T:
         """A short read on the owner's thread: never raises, ``default`` when there is nothing."""
         try:
             if self._closed or self._current_db() is None:
                 return default
             try:
-                return txn_body(*args)
+                return txn_body(self._db, *args)
             except lmdb.MapResizedError:
                 self._shared.adopt_grown_map()
-                return txn_body(*args)
+                return txn_body(self._db, *args)
         except lmdb.Error as exc:
-            logger.warning("lmdb tier: %s failed: %s", txn_body.__name__.strip("_"), exc)
+            logger.warning("lmdb tier: %s failed: %s", txn_body.__name__, exc)
             return default
-
-    def _contains_txn(self, keys: Sequence[bytes]) -> list[bool]:
-        with self._gate.shared(), self._env.begin(db=self._db, buffers=True) as txn:
-            cursor = txn.cursor()
-            return [
-                self._storable(key) and key not in self._deleting and cursor.set_key(key)
-                for key in map(as_key_bytes, keys)
-            ]
-
-    def _recover_txn(self) -> list[bytes]:
-        namespace = self.context.namespace
-        with self._gate.shared(), self._env.begin(db=self._db) as txn:
-            keys = txn.cursor().iternext(keys=True, values=False)
-            return [key for key in keys if key.startswith(namespace)]
-
-    def _held_chunks_txn(self) -> int:
-        with self._gate.shared(), self._env.begin(db=self._db) as txn:
-            return int(txn.stat(self._db)["entries"])
-
-
-def _in_order(job: Job, failed: list[bytes]) -> list[bytes]:
-    """The job's failed keys, those refused at intake included, in submission order."""
-    if not job.refused:
-        return failed
-    gone = set(failed).union(job.refused)
-    return [key for key in job.submitted if key in gone]

@@ -6,7 +6,7 @@ the map that holds the budget's frames; :func:`environment_options` gives the
 sub-database of a namespace and rank. :class:`SharedEnvironment` keeps one
 ``lmdb.Environment`` per path per process (LMDB forbids opening one twice) and
 :class:`_MapGate` keeps remapping away from open transactions. The tier itself
-(:class:`~tiercache.backends.lmdb.backend.LMDBBackend`) lives in ``lmdb.py``.
+(:class:`~tiercache.backends.lmdb.backend.LMDBBackend`) lives in :mod:`.backend`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import lmdb
 from tiercache import integrity
 
 if TYPE_CHECKING:
-    from tiercache.backends.lmdb.backend import LMDBSettings
+    from tiercache.backends.lmdb.settings import LMDBSettings
 
-# The tier's one logger, under the name it had before this module was split off lmdb.py.
-logger = logging.getLogger(f"{__package__}.lmdb")
+# The tier's one logger: its backend module's name, the name log configurations filter on.
+logger = logging.getLogger(f"{__package__}.backend")
 
 #: Longest chunk key this tier stores (namespace 8 + prefix hash + group 4; vLLM's
 #: block hashes are at most 32 bytes). The budget counts every frame at this key length.

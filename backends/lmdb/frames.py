@@ -16,8 +16,8 @@ import numpy as np
 from tiercache import integrity
 from tiercache.backends.lmdb.env import max_frame_bytes
 
-# The tier's one logger, under the name it had before this module was split off lmdb.py.
-logger = logging.getLogger(f"{__package__}.lmdb")
+# The tier's one logger: its backend module's name, the name log configurations filter on.
+logger = logging.getLogger(f"{__package__}.backend")
 
 
 class Load(enum.Enum):
@@ -60,15 +60,10 @@ class Framer:
 
     def unframe(self, key: bytes, frame: memoryview, out: memoryview) -> Load:
         """Verify ``frame`` as ``key``'s, then copy its payload into ``out`` (else untouched)."""
-        # Our frames are compact, so the header of this key's frame is this long;
-        # verify_frame checks magic, version, namespace, key, the payload length
-        # (the rest of the value) and the checksum, which covers the header length.
-        header_len = integrity.compact_header_len(len(key))
+        # magic, version, namespace, key, the payload length (the rest of the value)
+        # and the checksum, which covers the header length
         try:
-            if frame.nbytes < header_len:
-                raise integrity.FrameFormatError(f"a value of {frame.nbytes} bytes is no frame")
-            payload = frame[header_len:]
-            integrity.verify_frame(frame[:header_len], payload, self.namespace, key)
+            payload = integrity.compact_payload(frame, self.namespace, key)
         except integrity.IntegrityError as exc:
             logger.warning("lmdb tier: dropping chunk %s: %s", key.hex(), exc)
             return Load.CORRUPT

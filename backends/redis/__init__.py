@@ -1,6 +1,7 @@
 """The Redis tier: chunks as framed values in Redis (standalone or cluster).
 
-Owns: :mod:`.backend` (RedisBackend), :mod:`.client`, :mod:`.link` (the connection and its
-reconnect thread), :mod:`.settings`.
+Owns: :mod:`.backend` (RedisBackend: its jobs, lookups, threads), :mod:`.client`, :mod:`.link`
+(the connection and its reconnect thread), :mod:`.commands` (pipelined SET/GET/EXISTS/UNLINK),
+:mod:`.settings`. Its I/O threads are tiercache.tiers.worker_lanes'.
 May import: tiercache's core. Not other backends.
 """

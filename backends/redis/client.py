@@ -23,8 +23,8 @@ from redis.retry import Retry
 if TYPE_CHECKING:
     from tiercache.backends.redis.settings import RedisSettings
 
-# The tier's one logger, under the name it had before this module was split off redis.py.
-logger = logging.getLogger(f"{__package__}.redis")
+# The tier's one logger: its backend module's name, the name log configurations filter on.
+logger = logging.getLogger(f"{__package__}.backend")
 
 Client = redis.Redis | RedisCluster
 #: Errors that say the server (or the path to it) is gone, not that one command failed.

@@ -1,10 +1,10 @@
-"""The Redis tier's threads: the link to Redis (its reconnect thread) and the job lanes.
+"""The Redis tier's link to Redis: the live client, whether Redis is up, the reconnect thread.
 
 :class:`Link` owns the client's life: it creates the client, probes, and
 replaces it after an outage, so callers only ever ask it for the live client
-(never waiting for I/O) and report trouble. :class:`Lane` runs
-jobs (:class:`Job`) on a few threads from prioritized queues. The threading and
-failure contracts are told in :mod:`tiercache.backends.redis.backend` (Threads,
+(never waiting for I/O) and report trouble. The jobs run on lanes of
+:class:`~tiercache.tiers.worker_lanes.WorkerLanes`. The threading and failure
+contracts are told in :mod:`tiercache.backends.redis.backend` (Threads,
 Failures), whose :class:`RedisBackend` drives them.
 """
 
@@ -15,25 +15,21 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisClusterException, RedisError
 
-from tiercache import faults
 from tiercache.backends.redis.client import Client, close_client
 from tiercache.counters import Counters
 
 if TYPE_CHECKING:
     from tiercache.backends.redis.settings import RedisSettings
 
-# The tier's one logger, under the name it had before this module was split off redis.py.
-logger = logging.getLogger(f"{__package__}.redis")
+# The tier's one logger: its backend module's name, the name log configurations filter on.
+logger = logging.getLogger(f"{__package__}.backend")
 
 
-# ------------------------------------------------------------------- the link to Redis
 class LinkState(enum.Enum):
     STARTING = "starting"  # the first connection attempt has not finished
     UP = "up"
@@ -161,63 +157,3 @@ class Link:
 
     def _jittered(self, seconds: float) -> float:
         return seconds * (1.0 + 0.25 * random.random())
-
-
-# ----------------------------------------------------------------------------- threads
-JobKind = Literal["put", "get", "delete", "contains"]
-
-
-@dataclass(slots=True)
-class Job:
-    kind: JobKind
-    job_id: Any  # an int job id, or a lookup's token
-    keys: list[bytes]  # the chunk keys that reach Redis
-    views: list[memoryview] = field(default_factory=list)
-    submitted: list[Any] = field(default_factory=list)  # every key as submitted, refused too
-    refused: list[int] = field(default_factory=list)  # positions in ``submitted`` failed at intake
-
-
-class Lane:
-    """Threads running jobs from prioritized queues: queue 0 first, FIFO within a queue."""
-
-    def __init__(self, name: str, threads: int, queues: int, run: Callable[[Job], None]) -> None:
-        self._run = run
-        self._cond = threading.Condition()
-        self._queues: list[deque[Job]] = [deque() for _ in range(queues)]
-        self._stopping = False
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def push(self, job: Job, queue: int = 0) -> None:
-        with self._cond:
-            self._queues[queue].append(job)
-            self._cond.notify()
-
-    def stop(self) -> None:
-        """Run the queued jobs, then end the threads."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        for thread in self._threads:
-            thread.join()
-
-    def _serve(self) -> None:
-        while (job := self._next()) is not None:
-            try:
-                self._run(job)
-            except Exception as exc:  # noqa: BLE001 - the lane outlives any job (its result is lost)
-                faults.record(faults.BACKEND_EXCEPTION, exc, where=f"redis lane {job.kind}")
-
-    def _next(self) -> Job | None:
-        with self._cond:
-            while True:
-                for queue in self._queues:
-                    if queue:
-                        return queue.popleft()
-                if self._stopping:
-                    return None
-                self._cond.wait()

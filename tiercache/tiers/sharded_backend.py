@@ -25,23 +25,25 @@ Threading: the owner's thread only, like the Backend contract.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 from tiercache.backend import Backend, JobResult
 from tiercache.shards import HeadSlicer, ShardSet
+from tiercache.tiers.worker_lanes import BackendJob
+
+_Op = Literal["put", "get"]
 
 
-@dataclass
-class _Job:
-    """One chunk job in flight: its shard keys per chunk, and the buffers the backend holds."""
+@dataclass(eq=False, slots=True)
+class _Job(BackendJob):
+    """One chunk job in flight (the kit's record: ``keys`` are its chunks, ``views`` the
+    caller's), plus its shard keys per chunk and the buffers the inner backend holds."""
 
-    op: str
-    chunks: list[bytes]
-    shard_keys: list[list[bytes]]
-    views: Sequence[memoryview]
-    buffers: list[list[np.ndarray]]
+    shard_keys: list[list[bytes]] = field(default_factory=list)
+    buffers: list[list[np.ndarray]] = field(default_factory=list)
 
 
 class ShardedBackend(Backend):
@@ -66,13 +68,13 @@ class ShardedBackend(Backend):
     def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
         self._submit("get", job_id, keys, views)
 
-    def _submit(self, op: str, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+    def _submit(self, op: _Op, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
         positions = self.shards.writes if op == "put" else self.shards.reads
         if self.shards.ignore_rank:
             positions = positions[:1]
         shard_keys = [[self.shards.key(k, s) for s in positions] for k in keys]
         buffers = [self._buffers(op, view, positions) for view in views]
-        job = _Job(op, list(keys), shard_keys, views, buffers)
+        job = _Job(op, job_id, list(keys), list(views), shard_keys=shard_keys, buffers=buffers)
         flat_keys = [sk for per in shard_keys for sk in per]
         if not flat_keys:  # a replica rank: nothing of these chunks is ours to write
             self._done.append(JobResult(job_id, tuple(keys), (), 0, 0.0))
@@ -85,7 +87,7 @@ class ShardedBackend(Backend):
             del self._jobs[job_id]
             raise
 
-    def _buffers(self, op: str, view: memoryview, positions: Sequence[int]) -> list[np.ndarray]:
+    def _buffers(self, op: _Op, view: memoryview, positions: Sequence[int]) -> list[np.ndarray]:
         chunk = np.frombuffer(view, dtype=np.uint8)
         if self._whole or self.shards.ignore_rank:
             return [chunk] * len(positions)
@@ -113,9 +115,9 @@ class ShardedBackend(Backend):
         ok_shards = set(res.ok_keys)
         ok: list[bytes] = []
         failed: list[bytes] = []
-        for chunk, per, buffers, view in zip(job.chunks, job.shard_keys, job.buffers, job.views):
+        for chunk, per, buffers, view in zip(job.keys, job.shard_keys, job.buffers, job.views):
             if all(sk in ok_shards and sk not in failed_shards for sk in per):
-                if job.op == "get" and not (self._whole or self.shards.ignore_rank):
+                if job.kind == "get" and not (self._whole or self.shards.ignore_rank):
                     self._join(buffers, view)
                 ok.append(chunk)
             else:
