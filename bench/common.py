@@ -1,4 +1,14 @@
-"""Helpers shared by the benchmarks in bench/: machine description, JSON results, tables.
+"""What the benchmarks in bench/ share: options, sizes, machine description, JSON results, tables.
+
+Every benchmark is a module ``bench/<name>.py`` with a ``main(argv)``, run as
+``python -m bench <name>`` (bench/__main__.py) or ``python bench/<name>.py``.
+Its options come from a :class:`BenchParser`, which gives every benchmark the
+same ``--help`` (what it measures, the ceiling it compares to, examples, the
+size notation) and the same shared options: ``--out`` (the results name),
+``--no-progress`` and ``--quick`` (a short smoke run). Sizes on the command
+line are parsed by :func:`tiercache.config.sizes.parse_size`, as in the YAML
+configs: ``KiB``/``MiB``/``GiB`` are powers of 1024, ``K``/``M``/``G`` powers
+of 1000.
 
 Every benchmark writes one JSON file under ``bench/results/`` (git-ignored) with
 the same envelope: what ran (name, argv, options), where (:func:`machine_info`),
@@ -8,21 +18,163 @@ when, and its own ``results`` payload. Tables go to stdout through
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from tiercache.config.sizes import parse_size
 from tiercache.testing.raw_nixl import post_transfer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SIZE_NOTE = (
+    "Sizes: bytes, or a number and a unit: KiB, MiB, GiB are powers of 1024 (64KiB = 65536), "
+    "K, M, G (or KB, MB, GB) powers of 1000 (64K = 64000), as in tiercache's configs."
+)
+
+
+# -------------------------------------------------------------------------------- sizes
+def size_arg(text: str) -> int:
+    """An argparse ``type``: a size such as ``"256KiB"`` in bytes (:func:`parse_size`)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated sizes, ``"256KiB,1MiB"`` -> ``[262144, 1048576]``."""
+    return [size_arg(part) for part in text.split(",") if part.strip()]
+
+
+def size_label(n: int) -> str:
+    """A table's short size label: 262144 -> ``"256K"``, 1 << 30 -> ``"1G"`` (powers of 1024)."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def kib_label(n: int) -> str:
+    """A table's size label in whole KiB: 1048576 -> ``"1024 KiB"``."""
+    return f"{n >> 10} KiB"
+
+
+# ------------------------------------------------------------------------------ options
+class BenchParser(argparse.ArgumentParser):
+    """The argument parser of one benchmark: the same help layout and shared options for all.
+
+    ``--help`` shows the module docstring (what is measured), then the ceiling
+    the figures are compared to, examples (both ways of running it), the size
+    notation where the benchmark takes sizes, and where the results go.
+    Shared options, each only where the benchmark has a use for it:
+    ``--out`` (``out``: the default results name), ``--no-progress``
+    (``progress``), ``--quick`` (``quick``: the option values of a short
+    smoke run, applied as defaults, so options given beside it still win).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        doc: str | None,
+        *,
+        ceiling: str,
+        examples: Sequence[str] = (),
+        out: str | None = None,
+        progress: bool = True,
+        quick: Mapping[str, Any] | None = None,
+        sizes: bool = False,
+    ) -> None:
+        self.quick = dict(quick or {})
+        if self.quick and out is not None:
+            self.quick.setdefault("out", f"{out}_quick")
+        lines = [*_wrap(f"Ceiling: {ceiling}"), "", "Examples:"]
+        lines += [f"  python -m bench {name} {example}".rstrip() for example in examples or ("",)]
+        if self.quick:
+            lines.append(f"  python -m bench {name} --quick")
+        lines.append(f"  python bench/{name}.py --help    (the same main, run as a script)")
+        if sizes:
+            lines += ["", *_wrap(SIZE_NOTE)]
+        if out is not None:
+            lines += ["", f"Results: bench/results/<--out>.json (default {out}.json)."]
+        super().__init__(
+            prog=f"python -m bench {name}",
+            description=doc,
+            epilog="\n".join(lines),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        shared = self.add_argument_group("shared options")  # listed after the benchmark's own
+        if out is not None:
+            shared.add_argument(
+                "--out", default=out, help="result name under bench/results/ (default %(default)s)"
+            )
+        if progress:
+            shared.add_argument("--no-progress", action="store_true", help="no progress bars")
+        if self.quick:
+            shown = " ".join(_as_option(dest, value) for dest, value in self.quick.items())
+            shared.add_argument("--quick", action="store_true", help=f"a short smoke run: {shown}")
+
+    def add_sizes(self, default: str, help: str, flag: str = "--sizes") -> None:
+        """A comma-separated list of sizes (``args.<flag>`` is a list of ints)."""
+        self.add_argument(flag, type=size_list, default=default, help=f"{help} (default {default})")
+
+    def add_size(self, flag: str, default: str, help: str) -> None:
+        """One size (``args.<flag>`` is an int)."""
+        self.add_argument(flag, type=size_arg, default=default, help=f"{help} (default {default})")
+
+    def add_repeat(self, default: int, help: str = "measurements per cell; medians shown") -> None:
+        self.add_argument("--repeat", type=int, default=default, help=f"{help} (default {default})")
+
+    def add_seed(self) -> None:
+        self.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed = super().parse_args(args, namespace)
+        if self.quick and getattr(parsed, "quick", False):
+            # Again with --quick's values as defaults (options given beside it still win);
+            # the defaults are put back afterwards, so the parser can be used again.
+            saved = [(action, action.default) for action in self._actions]
+            saved_defaults = dict(self._defaults)
+            self.set_defaults(**self.quick)
+            try:
+                parsed = super().parse_args(args, namespace)
+            finally:
+                for action, default in saved:
+                    action.default = default
+                self._defaults = saved_defaults
+        return parsed
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, width=79, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _as_option(dest: str, value: Any) -> str:
+    flag = "--" + dest.replace("_", "-")
+    if value is True:
+        return flag
+    if isinstance(value, (list, tuple)):
+        return f"{flag} {' '.join(map(str, value))}"
+    return f"{flag} {value}"
+
+
+def progress(args: argparse.Namespace, total: int, desc: str, unit: str, **kwargs: Any) -> tqdm:
+    """A tqdm bar, off with ``--no-progress``."""
+    disable = getattr(args, "no_progress", False)
+    return tqdm(total=total, desc=desc, unit=unit, disable=disable, **kwargs)
 
 
 # ------------------------------------------------------------------------------ machine
@@ -140,6 +292,15 @@ def write_result(
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)
+    return path
+
+
+def save_results(
+    args: argparse.Namespace, results: Any, machine: Mapping[str, Any], name: str | None = None
+) -> Path:
+    """Write ``results`` as ``bench/results/<name or --out>.json``; print and return the path."""
+    path = write_result(name or args.out, results, options=vars(args), machine=machine)
+    print(f"results: {path}")
     return path
 
 

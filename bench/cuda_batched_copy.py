@@ -17,25 +17,41 @@ Timed with CUDA events around ``--repeat`` copies after a warm-up; the table
 gives GB/s and the ratio to the ceiling. Every method's bytes are checked
 against the source once (untimed). Needs CUDA; exits with a message without it.
 
-Run from the repository root: ``python -m bench.cuda_batched_copy`` (``--help``).
+Run from the repository root: ``python -m bench cuda_batched_copy`` (``--help``).
+Results go to ``bench/results/cuda_batched_copy.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a script (python bench/<name>.py): import `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import BenchParser, machine_info, print_table, save_results
 
 PAGE_SIZES = (2 << 10, 32 << 10, 256 << 10)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.cuda_batched_copy", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--chunk-bytes", type=int, default=16 << 20, help="bytes moved per transfer (one chunk)")
-    parser.add_argument("--pool-pages", type=int, default=4, help="device pool size, in chunks' worth of pages")
-    parser.add_argument("--repeat", type=int, default=20, help="timed transfers per method")
+    parser = BenchParser(
+        "cuda_batched_copy", __doc__,
+        ceiling="one pinned cudaMemcpyAsync of the same bytes, contiguous, in the same run "
+        "(device -> pinned host for stores, pinned host -> device for loads)",
+        examples=("--chunk-bytes 2MiB",),
+        out="cuda_batched_copy", progress=False, sizes=True,
+        quick={"chunk_bytes": "2MiB", "repeat": 4},
+    )
+    add = parser.add_argument
+    parser.add_size("--chunk-bytes", "16MiB", "bytes moved per transfer (one chunk)")
+    add("--pool-pages", type=int, default=4,
+        help="device pool size, in chunks' worth of pages (default 4)")
+    parser.add_repeat(20, "timed transfers per method")
     return parser.parse_args(argv)
 
 
@@ -104,18 +120,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA: nothing measured")
         return 0
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {args.chunk_bytes >> 20} MiB per transfer")
-    header = ("page", "pages", "per-page store", "gather store", "D2H ceiling", "per-page/ceil", "gather/ceil",
-              "per-page load", "gather load", "H2D ceiling", "per-page/ceil", "gather/ceil")
-    print("  ".join(header))
-    for page in PAGE_SIZES:
-        r = measure(page, args)
-        print("  ".join([f"{page >> 10}K", str(r["pages"]),
-                         f"{r['per_page_store']:.2f}", f"{r['gather_store']:.2f}", f"{r['d2h']:.2f}",
-                         f"{r['per_page_store'] / r['d2h']:.2f}", f"{r['gather_store'] / r['d2h']:.2f}",
-                         f"{r['per_page_load']:.2f}", f"{r['gather_load']:.2f}", f"{r['h2d']:.2f}",
-                         f"{r['per_page_load'] / r['h2d']:.2f}", f"{r['gather_load'] / r['h2d']:.2f}"]))
+    title = (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
+             f"{args.chunk_bytes >> 20} MiB per transfer")
+    header = ("page", "pages", "per-page store", "gather store", "D2H ceiling", "per-page/ceil",
+              "gather/ceil", "per-page load", "gather load", "H2D ceiling", "per-page/ceil",
+              "gather/ceil")
+    results = [measure(page, args) for page in PAGE_SIZES]
+    print_table(header, [_row(r) for r in results], title)
+    machine = machine_info(["torch"]) | {"gpu": torch.cuda.get_device_name()}
+    save_results(args, results, machine)
     return 0
+
+
+def _row(r: dict[str, float]) -> list[str]:
+    """One page size: GB/s of each method and its ratio to the ceiling, stores then loads."""
+    row = [f"{int(r['page']) >> 10}K", str(int(r["pages"]))]
+    for op, ceiling in (("store", "d2h"), ("load", "h2d")):
+        row += [f"{r[f'per_page_{op}']:.2f}", f"{r[f'gather_{op}']:.2f}", f"{r[ceiling]:.2f}",
+                f"{r[f'per_page_{op}'] / r[ceiling]:.2f}", f"{r[f'gather_{op}'] / r[ceiling]:.2f}"]
+    return row
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ and sizes; no chunk body is read); a sample of the recovered chunks must load.
 ``--drop-caches`` drops the kernel's page, dentry and inode caches first
 (root only; it slows other processes for a moment), for a cold-start figure.
 
-Run: ``python -m bench.disk_tier`` (``--help`` for options). Results go to
+Run: ``python -m bench disk_tier`` (``--help`` for options). Results go to
 ``bench/results/disk_tier.json``. Scratch files go under ``--dir`` (default: a
 new directory in the system temp dir) and are removed at the end.
 """
@@ -62,45 +62,39 @@ from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
-from tiercache.backends.disk.backend import DiskBackend, DiskSettings
 from tqdm import tqdm
 
-from bench.common import describe_machine, machine_info, print_table, write_result
+if __package__ in (None, ""):  # run as a script (python bench/<name>.py): import `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiercache.backends.disk.backend import DiskBackend, DiskSettings
+
+from bench import common
 from tiercache.backend import BackendContext, JobResult
 from tiercache.integrity import ALIGN, aligned_frame_bytes
 
 GB = 1e9
 TARGET = 0.80
 NAMESPACE = b"benchdsk"
-DEFAULT_SIZES = "256K,1M,4M"
 
 
 # ------------------------------------------------------------------------------ options
-def parse_bytes(text: str) -> int:
-    """``"256K"`` -> 262144; K, M and G are powers of 1024."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
-
-
-def human_bytes(n: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.disk_tier",
-        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = common.BenchParser(
+        "disk_tier", __doc__,
+        ceiling="a raw sequential write, then read, of one file of --total bytes in chunk-sized "
+        "requests in the same directory (fio, psync, queue depth 1, or --no-fio's own "
+        "pwrite/preadv loop), O_DIRECT where the directory allows it; target: tier >= 80% of it",
+        examples=("--dir /mnt/nvme --sizes 1MiB --fsync batch --reuse on --recovery-chunks 0",),
+        out="disk_tier", sizes=True,
+        quick={"sizes": "256KiB", "total": "8MiB", "repeat": 1, "fsync": "none", "reuse": "on",
+               "recovery_chunks": 1000},
     )
     add = parser.add_argument
     add("--dir", default=None, help="scratch directory (default: a new one in the temp dir)")
-    add("--sizes", default=DEFAULT_SIZES, help="chunk sizes (default %(default)s)")
-    add("--total", default="128M", help="bytes per measurement (default %(default)s)")
-    add("--repeat", type=int, default=3, help="repetitions per cell; medians shown (default 3)")
+    parser.add_sizes("256KiB,1MiB,4MiB", "chunk sizes")
+    parser.add_size("--total", "128MiB", "bytes per measurement")
+    parser.add_repeat(3, "repetitions per cell; medians shown")
     add("--fsync", default="none,batch", help="fsync policies to measure (default %(default)s)")
     add(
         "--reuse",
@@ -114,7 +108,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--recovery-chunks", type=int, default=100_000, help="0 skips (default %(default)s)")
     add("--drop-caches", action="store_true", help="cold-cache recovery (root; global effect)")
     add("--no-fio", action="store_true", help="use the own raw loop even if fio is installed")
-    add("--out", default="disk_tier", help="result name under bench/results/ (default %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -316,10 +309,10 @@ def measure(
     fsync: str,
     reuse: bool,
     bufs: tuple,
-    progress: tqdm,
+    bar: tqdm,
 ) -> Cell:
     src_map, src_np, dst_map, dst_np = bufs
-    total = parse_bytes(args.total) // size * size
+    total = args.total // size * size
     count = total // size
     root = scratch / f"tier-{size}-{fsync}-{reuse}"
     run = TierRun(root, size, count, fsync, reuse, args, src_map, dst_map)
@@ -335,7 +328,7 @@ def measure(
             rates["store"].append(total / run.store() / GB)
             rates["read"].append(total / raw.read(dst_map, size, total) / GB)
             rates["load"].append(total / run.load() / GB)
-            progress.update(1)
+            bar.update(1)
         raw.clean()
     finally:
         run.tier.close()
@@ -381,7 +374,7 @@ def measure_recovery(args: argparse.Namespace, scratch: Path) -> Recovery:
     payload = memoryview(bytes(range(256)) * (size // 256))
     start = time.perf_counter()
     step, job = 512, 0
-    with tqdm(total=count, desc=f"store {count} chunks", unit="chunk", leave=False) as bar:
+    with common.progress(args, count, f"store {count} chunks", "chunk", leave=False) as bar:
         for first in range(0, count, step * 8):  # eight jobs in flight at a time
             jobs = set()
             for lo in range(first, min(first + step * 8, count), step):
@@ -467,7 +460,7 @@ def print_cells(cells: list[Cell], title: str) -> None:
     ]
     rows = [
         [
-            human_bytes(c.chunk_bytes),
+            common.size_label(c.chunk_bytes),
             c.fsync,
             c.files,
             c.io_mode,
@@ -480,19 +473,19 @@ def print_cells(cells: list[Cell], title: str) -> None:
         ]
         for c in cells
     ]
-    print_table(headers, rows, title)
+    common.print_table(headers, rows, title)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    sizes = [parse_bytes(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     policies = [p.strip() for p in args.fsync.split(",") if p.strip()]
-    machine = machine_info(["numpy", "xxhash"])
+    machine = common.machine_info(["numpy", "xxhash"])
     with scratch_dir(args.dir) as scratch:
         direct = args.direct_io != "off" and probe_direct(scratch)
         raw = RawDisk(scratch, direct, use_fio=not args.no_fio)
-        slab = min(parse_bytes(args.total), 256 << 20)
+        slab = min(args.total, 256 << 20)
         src_map, src_np = aligned_buffer(slab)
         dst_map, dst_np = aligned_buffer(slab)
         src_np[:] = np.random.default_rng(0).integers(0, 256, slab, dtype=np.uint8)
@@ -500,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = []
         reuses = [r.strip() == "on" for r in args.reuse.split(",") if r.strip()]
         steps = len(sizes) * len(policies) * len(reuses) * args.repeat
-        with tqdm(total=steps, desc="disk tier", unit="rep") as bar:
+        with common.progress(args, steps, "disk tier", "rep") as bar:
             for size in sizes:
                 for fsync in policies:
                     for reuse in reuses:
@@ -510,8 +503,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         filesystem = df.stdout.splitlines()[-1:]
     title = (
         f"disk tier vs raw sequential I/O on {scratch.parent} ({' '.join(filesystem)})\n"
-        f"ceiling: {raw.label}; total {args.total} per cell, median of {args.repeat}; "
-        f"target {TARGET:.0%}\n{describe_machine(machine)}"
+        f"ceiling: {raw.label}; total {common.size_label(args.total)} per cell, "
+        f"median of {args.repeat}; "
+        f"target {TARGET:.0%}\n{common.describe_machine(machine)}"
     )
     print_cells(cells, title)
     if recovery:
@@ -526,20 +520,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missed:
         print(
             f"below the {TARGET:.0%} target: "
-            + ", ".join(f"{human_bytes(c.chunk_bytes)}/{c.fsync}/{c.files}" for c in missed)
+            + ", ".join(f"{common.size_label(c.chunk_bytes)}/{c.fsync}/{c.files}" for c in missed)
         )
-    path = write_result(
-        args.out,
-        {
-            "cells": [asdict(c) for c in cells],
-            "recovery": asdict(recovery) if recovery else None,
-            "ceiling": raw.label,
-            "target": TARGET,
-        },
-        options=vars(args),
-        machine=machine,
-    )
-    print(f"results: {path}", file=sys.stderr)
+    results = {
+        "cells": [asdict(c) for c in cells],
+        "recovery": asdict(recovery) if recovery else None,
+        "ceiling": raw.label,
+        "target": TARGET,
+    }
+    common.save_results(args, results, machine)
     return 0
 
 

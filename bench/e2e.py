@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_info, print_table, write_result  # noqa: E402
+from bench.common import BenchParser, machine_info, print_table, write_result  # noqa: E402
 from tiercache.testing.engine_runner import random_prompts, run_engine  # noqa: E402
 from tiercache.testing.random_llama import make_model_dir  # noqa: E402
 
@@ -98,7 +98,13 @@ def ttfts(result: dict[str, Any], spec: dict[str, Any], phase: str, length: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = BenchParser(
+        "e2e", __doc__, progress=False,
+        ceiling="the floor: the same prompts served from the engine's own prefix cache (no copy "
+        "at all), in the same engine; vLLM's ExampleConnector as a second reference",
+        examples=("--model heavy --lengths 1024 2048 4096 --prompts 3",
+                  "--model tiny --lengths 512 --prompts 2 --connectors none tiercache  # a quick look"),
+    )
     parser.add_argument("--model", default="heavy", choices=("tiny", "heavy"))
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths")

@@ -13,7 +13,7 @@ chunk of ``S`` bytes holds ``S / bytes_per_block`` blocks; sizes smaller than
 one block are skipped. The default geometry (32 layers of 16 tokens x 1 KV
 head x 32 dims in bf16: 2 KiB pages, 64 KiB blocks) is a small model's, the
 hardest case: many small copies per chunk. A Llama-8B-like one is
-``--kv-heads 8 --head-dim 128 --kv-split --sizes 2M,4M,8M,16M --total 1G``.
+``--kv-heads 8 --head-dim 128 --kv-split --sizes 2MiB,4MiB,8MiB,16MiB --total 1GiB``.
 
 Each measurement moves ``--total`` bytes (the engine holds exactly that much KV,
 so every pass streams through memory rather than cache), is warmed up first and
@@ -28,7 +28,7 @@ bytes, same run:
 * on CUDA, pinned host <-> device ``copy_(non_blocking=True)`` of one buffer
   (``cudaMemcpyAsync``), device->host for stores, host->device for loads.
 
-Run: ``python -m bench.host_tier`` (``--help`` for options). Results go to
+Run: ``python -m bench host_tier`` (``--help`` for options). Results go to
 ``bench/results/host_tier.json``.
 """
 
@@ -41,48 +41,44 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.common import describe_machine, machine_info, print_table, write_result
-from tiercache.transfer.device import CopySegment, Direction, default_copy_threads
-from tiercache.transfer.host_gather import HostSegmentCopier
+if __package__ in (None, ""):  # run as a script (python bench/<name>.py): import `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common
+from tiercache.jobs import TransferJob
 from tiercache.layout import KVBlockLayout, block_runs
-from tiercache.transfer.engine import TransferEngine, TransferJobSpec
+from tiercache.testing.job_builders import make_job
+from tiercache.transfer.device import CopySegment, Direction, default_copy_threads
+from tiercache.transfer.engine import TransferEngine
+from tiercache.transfer.host_gather import HostSegmentCopier
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_SIZES = "64K,128K,256K,512K,1M,2M,4M"
 GB = 1e9
 
 
 # ------------------------------------------------------------------------------ options
-def parse_bytes(text: str) -> int:
-    """``"256K"`` -> 262144; K, M and G are powers of 1024."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
-
-
-def human_bytes(n: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.host_tier",
-        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = common.BenchParser(
+        "host_tier", __doc__,
+        ceiling="one contiguous memcpy of --total bytes in the same run (the faster of torch "
+        "copy_ and ctypes.memmove); with the KV on CUDA, one pinned cudaMemcpyAsync of the same "
+        "bytes (D2H for stores, H2D for loads)",
+        examples=(
+            "--sizes 256KiB,1MiB,4MiB --total 128MiB --repeat 3",
+            "--kv-heads 8 --head-dim 128 --kv-split --sizes 2MiB,16MiB --total 1GiB  # Llama-8B",
+        ),
+        out="host_tier", sizes=True,
+        quick={"sizes": "256KiB,1MiB", "total": "16MiB", "repeat": 1, "ids": "scattered"},
     )
     add = parser.add_argument
-    add("--sizes", default=DEFAULT_SIZES, help="chunk sizes over all layers (default %(default)s)")
-    add("--total", default="256M", help="bytes moved per measurement (default %(default)s)")
-    add(
-        "--repeat", type=int, default=5, help="measurements per cell; medians are shown (default 5)"
-    )
+    parser.add_sizes("64KiB,128KiB,256KiB,512KiB,1MiB,2MiB,4MiB", "chunk sizes over all layers")
+    parser.add_size("--total", "256MiB", "bytes moved per measurement")
+    parser.add_repeat(5, "measurements per cell; medians are shown")
     add("--layers", type=int, default=32, help="engine KV tensors, one per layer (default 32)")
     add("--block-size", type=int, default=16, help="tokens per engine block (default 16)")
     add("--kv-heads", type=int, default=1, help="KV heads per layer (default 1)")
@@ -108,8 +104,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="force the generic per-run copy_ path (tiercache.transfer.device.copy_segments) on the CPU, "
         "for before/after comparisons",
     )
-    add("--out", default="host_tier", help="result name under bench/results/ (default %(default)s)")
-    add("--seed", type=int, default=0)
+    parser.add_seed()
     return parser.parse_args(argv)
 
 
@@ -165,18 +160,18 @@ def block_order(num_blocks: int, pattern: str, seed: int) -> list[int]:
 
 def make_jobs(
     direction: Direction, order: list[int], bpc: int, first_id: int = 0
-) -> list[TransferJobSpec]:
+) -> list[TransferJob]:
     """One job per chunk: chunk ``c`` <-> slot ``c``."""
     jobs = []
     for c in range(len(order) // bpc):
         seg = CopySegment(c, 0, tuple(order[c * bpc : (c + 1) * bpc]))
         key = b"%d" % c
-        jobs.append(TransferJobSpec(first_id + c, f"bench-{c}", direction, (key,), (seg,)))
+        jobs.append(make_job(first_id + c, f"bench-{c}", direction, (key,), (seg,)))
     return jobs
 
 
 def run_jobs(
-    engine: TransferEngine, jobs: list[TransferJobSpec], sync: Callable[[], None]
+    engine: TransferEngine, jobs: list[TransferJob], sync: Callable[[], None]
 ) -> float:
     """Submit every job, wait for all; seconds from first submit to last completion."""
     sync()
@@ -210,7 +205,7 @@ def verify(
         for region in _word_views(layout):
             region.index_fill_(0, ids, 0)
         seg = CopySegment(c, 0, tuple(order[c * bpc : (c + 1) * bpc]))
-        run_jobs(engine, [TransferJobSpec(-1 - c, "verify", "load", (b"v",), (seg,))], sync)
+        run_jobs(engine, [make_job(-1 - c, "verify", "load", (b"v",), (seg,))], sync)
         got = torch.cat([r.index_select(0, ids).reshape(-1) for r in _word_views(layout)])
         if not torch.equal(got, expect):
             raise AssertionError(f"load of chunk {c}: engine bytes differ from the slot's")
@@ -296,7 +291,7 @@ def measure_cell(
     chunk: int,
     pattern: str,
     refs: References,
-    progress: tqdm,
+    bar: tqdm,
 ) -> Cell:
     bpc = chunk // layout.bytes_per_block
     num_blocks = (layout.num_blocks // bpc) * bpc
@@ -313,7 +308,7 @@ def measure_cell(
         for _ in range(args.repeat):
             for name, fn in _round(engine, stores, loads, refs, chunk, sync).items():
                 samples.setdefault(name, []).append(fn())
-            progress.update(1)
+            bar.update(1)
     finally:
         engine.shutdown()
     copier = getattr(engine.copier, "_segment_copier", None)
@@ -405,7 +400,7 @@ def print_cells(cells: list[Cell], title: str) -> None:
     rows = []
     for c in cells:
         row = [
-            human_bytes(c.chunk_bytes),
+            common.size_label(c.chunk_bytes),
             c.ids,
             c.blocks_per_chunk,
             f"{c.copies_per_chunk:g}",
@@ -426,7 +421,7 @@ def print_cells(cells: list[Cell], title: str) -> None:
         rows.append(row)
     if cells and cells[0].cuda_d2h_gbs is not None:
         headers += ["D2H GB/s", "H2D GB/s", "store/D2H", "load/H2D"]
-    print_table(headers, rows, title)
+    common.print_table(headers, rows, title)
 
 
 def usable_sizes(sizes: list[int], geom: Geometry) -> list[int]:
@@ -434,7 +429,7 @@ def usable_sizes(sizes: list[int], geom: Geometry) -> list[int]:
     usable = [s for s in sizes if s >= geom.bytes_per_block and s % geom.bytes_per_block == 0]
     for s in sorted(set(sizes) - set(usable)):
         print(
-            f"skipping chunk size {human_bytes(s)}: not a multiple of one block "
+            f"skipping chunk size {common.size_label(s)}: not a multiple of one block "
             f"({geom.bytes_per_block} bytes)",
             file=sys.stderr,
         )
@@ -446,10 +441,10 @@ def run_cells(
 ) -> list[Cell]:
     patterns = [p.strip() for p in args.ids.split(",") if p.strip()]
     cells: list[Cell] = []
-    with tqdm(total=len(sizes) * len(patterns) * args.repeat, desc="host tier", unit="rep") as bar:
+    with common.progress(args, len(sizes) * len(patterns) * args.repeat, "host tier", "rep") as bar:
         for chunk in sizes:
             for pattern in patterns:
-                bar.set_postfix_str(f"{human_bytes(chunk)} {pattern}")
+                bar.set_postfix_str(f"{common.size_label(chunk)} {pattern}")
                 cells.append(measure_cell(args, layout, chunk, pattern, refs, bar))
     return cells
 
@@ -467,8 +462,9 @@ def describe_run(
         copier += ", per-run copies" if args.per_run_copies else ""
     return (
         f"host tier {device.type}: {geom.layers} layers of {shape} {geom.dtype}, "
-        f"{geom.bytes_per_block} B/block, {page} B/page, {human_bytes(total)} per measurement, "
-        f"median of {args.repeat}, {copier}\n{describe_machine(machine)}"
+        f"{geom.bytes_per_block} B/block, {page} B/page, "
+        f"{common.size_label(total)} per measurement, "
+        f"median of {args.repeat}, {copier}\n{common.describe_machine(machine)}"
     )
 
 
@@ -480,13 +476,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     geom = Geometry(
         args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype, args.kv_split
     )
-    sizes = usable_sizes([parse_bytes(s) for s in args.sizes.split(",")], geom)
-    num_blocks = parse_bytes(args.total) // geom.bytes_per_block
+    sizes = usable_sizes(args.sizes, geom)
+    num_blocks = args.total // geom.bytes_per_block
     kv_caches = make_kv_caches(geom, num_blocks, device, args.seed)
     layout = KVBlockLayout.from_kv_caches(kv_caches, num_blocks)
     refs = References(num_blocks * geom.bytes_per_block, device)
     cells = run_cells(args, layout, sizes, refs)
-    machine = machine_info(packages=("torch", "numpy"))
+    machine = common.machine_info(packages=("torch", "numpy"))
     print_cells(cells, describe_run(args, geom, device, refs.total, machine))
     results = {
         "geometry": asdict(geom),
@@ -494,8 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": device.type,
         "cells": [asdict(c) for c in cells],
     }
-    path = write_result(args.out, results, options=vars(args), machine=machine)
-    print(f"wrote {path}")
+    common.save_results(args, results, machine)
     return 0
 
 

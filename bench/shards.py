@@ -13,21 +13,26 @@ backend) or token-major (LBNHC, CUDA's default). ``--model`` picks the head
 count, layers and head size; ``--tp`` how many of the heads one rank holds.
 A rank with one head needs no cut at all (the wrapper passes the slot's view).
 
-Run from the repository root: ``python -m bench.shards`` (``--help``).
+Run from the repository root: ``python -m bench shards`` (``--help``).
 Results: a table on stdout and ``bench/results/shards.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.common import describe_machine, machine_info, print_table, summarize, write_result
+if __package__ in (None, ""):  # run as a script (python bench/<name>.py): import `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common
 from tiercache.layout import KVBlockLayout
 from tiercache.shards import HeadSlicer
 
@@ -38,18 +43,21 @@ MODELS = {  # name: (KV heads, layers, head size), float32 KV (bf16 halves every
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.shards",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Example: python -m bench.shards --model llama-8b --tp 1 2 --chunk-tokens 256",
+    parser = common.BenchParser(
+        "shards", __doc__,
+        ceiling="numpy.copyto of the same chunk into another buffer (a memcpy), in the same run",
+        examples=("--model llama-8b --tp 1 2 --chunk-tokens 256",),
+        out="shards", quick={"model": "tiny", "tp": [1, 2], "seconds": 0.05, "repeat": 1},
     )
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama-8b", help="head count, layers, head size")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="TP sizes (a rank's share of the heads)")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk")
-    parser.add_argument("--block-size", type=int, default=32, help="tokens per engine block")
-    parser.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions (the table shows medians)")
+    add = parser.add_argument
+    add("--model", choices=sorted(MODELS), default="llama-8b",
+        help="head count, layers, head size (default %(default)s)")
+    add("--tp", type=int, nargs="+", default=[1, 2, 4],
+        help="TP sizes: a rank's share of the heads (default 1 2 4)")
+    add("--chunk-tokens", type=int, default=256, help="tokens per chunk (default %(default)s)")
+    add("--block-size", type=int, default=32, help="tokens per engine block (default %(default)s)")
+    add("--seconds", type=float, default=0.5, help="seconds per measurement (default %(default)s)")
+    parser.add_repeat(3, "repetitions (the table shows medians)")
     return parser.parse_args(argv)
 
 
@@ -97,7 +105,7 @@ def measure(args: argparse.Namespace, tp: int, layout: str) -> dict[str, float]:
         samples["memcpy"].append(rate(lambda: np.copyto(other, chunk), chunk.nbytes, args.seconds))
         samples["cut"].append(rate(cut, chunk.nbytes, args.seconds))
         samples["join"].append(rate(join, chunk.nbytes, args.seconds))
-    med = {k: summarize(v)["median"] for k, v in samples.items()}
+    med = {k: common.summarize(v)["median"] for k, v in samples.items()}
     return {"tp": tp, "layout": layout, "local_heads": local, "chunk_bytes": chunk.nbytes,
             "shard_bytes": slicer.shard_bytes, **{f"{k}_gbps": v / 1e9 for k, v in med.items()},
             "cut_ratio": med["cut"] / med["memcpy"], "join_ratio": med["join"] / med["memcpy"]}
@@ -105,18 +113,18 @@ def measure(args: argparse.Namespace, tp: int, layout: str) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = machine_info(["numpy", "torch"])
-    print(describe_machine(machine))
+    machine = common.machine_info(["numpy", "torch"])
+    print(common.describe_machine(machine))
     cases = [(tp, layout) for tp in args.tp for layout in ("LBHNC", "LBNHC")]
-    results = [measure(args, tp, layout) for tp, layout in tqdm(cases, desc="shards", unit="case")]
-    rows = [(r["tp"], r["layout"], r["local_heads"], f"{r['chunk_bytes'] >> 10} KiB", f"{r['shard_bytes'] >> 10} KiB",
+    cases_bar = tqdm(cases, desc="shards", unit="case", disable=args.no_progress)
+    results = [measure(args, tp, layout) for tp, layout in cases_bar]
+    rows = [(r["tp"], r["layout"], r["local_heads"], common.kib_label(r["chunk_bytes"]), common.kib_label(r["shard_bytes"]),
              f"{r['memcpy_gbps']:.2f}", f"{r['cut_gbps']:.2f}", f"{r['join_gbps']:.2f}",
              f"{r['cut_ratio']:.2f}", f"{r['join_ratio']:.2f}") for r in results]
-    print_table(["tp", "layout", "heads", "chunk", "shard", "memcpy GB/s", "cut GB/s", "join GB/s",
+    common.print_table(["tp", "layout", "heads", "chunk", "shard", "memcpy GB/s", "cut GB/s", "join GB/s",
                  "cut/memcpy", "join/memcpy"], rows,
                 f"store shards, {args.model}, {args.chunk_tokens}-token chunks (medians of {args.repeat})")
-    path = write_result("shards", results, vars(args), machine)
-    print(f"results: {path}")
+    common.save_results(args, results, machine)
     return 0
 
 

@@ -97,13 +97,13 @@ RC[tests]=$?
 
 step "bench: host tier, default geometry (small model, 2 KiB pages), KV on $BENCH_DEVICE"
 rm -f bench/results/host_tier_gpu_*.json
-timeout 150 "$PY" "$SHIM" bench.host_tier --device "$BENCH_DEVICE" --sizes 64K,1M,4M --total 128M \
+timeout 150 "$PY" "$SHIM" bench.host_tier --device "$BENCH_DEVICE" --sizes 64KiB,1MiB,4MiB --total 128MiB \
   --repeat 3 --out host_tier_gpu_small 2>&1 | tee "$OUT/bench_cuda.log"
 RC[bench_small]=$?
 
 step "bench: host tier, Llama-8B-like geometry (32 KiB pages, K/V apart), KV on $BENCH_DEVICE"
 timeout 120 "$PY" "$SHIM" bench.host_tier --device "$BENCH_DEVICE" --kv-heads 8 --head-dim 128 \
-  --kv-split --sizes 2M,16M --total 1G --repeat 3 --out host_tier_gpu_llama 2>&1 \
+  --kv-split --sizes 2MiB,16MiB --total 1GiB --repeat 3 --out host_tier_gpu_llama 2>&1 \
   | tee -a "$OUT/bench_cuda.log"
 RC[bench_llama]=$?
 cp bench/results/host_tier_gpu_*.json "$OUT/" 2>/dev/null
