@@ -106,7 +106,7 @@ def recover_lower_tiers(
             if backend.shared:
                 continue  # looked up per request, not recovered
             keys = [k for k in backend.recover() if k.startswith(digest)]
-            over = manager.adopt(name, keys)
+            over = manager.cascade.adopt(name, keys)
             if over:
                 extra[name] = over
             logger.info("tiercache: tier %s recovered %d chunks (%d over budget)", name, len(keys), len(over))

@@ -15,36 +15,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from tiercache.pd.peer_tier import PeerChunk
-from tiercache.connector.pd.scheduler_role import DirectHold
-from tiercache.transfer.pipeline import DemoteJobSpec
-from tiercache.transfer.engine import TransferJobSpec
+from tiercache.jobs import DemoteJob, LoadJob, StoreJob
+
+from tiercache.connector.pd.step import PDStepMeta, PDWorkerReport
 
 
 @dataclass
 class TierCacheConnectorMetadata(KVConnectorMetadata):
-    loads: list[TransferJobSpec] = field(default_factory=list)
-    stores: list[TransferJobSpec] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
     # sync: the loads must be complete before this step's forward pass reads them;
     # async: their requests wait off the batch until get_finished reports them.
     loads_are_sync: bool = False
-    # load job id -> per key: the lower tier it is staged from, or None (host tier)
-    staging: dict[int, tuple[str | None, ...]] = field(default_factory=dict)
     # blocks promised to vLLM that could not be planned (no staging slot): recompute
     invalid_block_ids: list[int] = field(default_factory=list)
-    demotes: list[DemoteJobSpec] = field(default_factory=list)
+    demotes: list[DemoteJob] = field(default_factory=list)
     deletes: dict[str, list[bytes]] = field(default_factory=dict)
-    # P/D consumer: which producer slot holds each key this step loads from the peer tier
-    peer_sources: dict[bytes, PeerChunk] = field(default_factory=dict)
-    # P/D producer: hand-offs are held (the worker keeps its UCX progressed for consumers' READs)
-    handoffs_held: bool = False
-    # P/D producer, mode direct: request id -> keys and device blocks the worker marks held
-    # after this step's forward pass; requests whose marks it clears (no hand-off after all:
-    # vLLM frees their blocks itself); hand-offs whose tags every worker clears now and reports
-    # (expired, or a notice some worker missed), after which the scheduler unpins their blocks
-    direct_holds: dict[str, DirectHold] = field(default_factory=dict)
-    direct_unmarks: list[str] = field(default_factory=list)
-    direct_released: list[str] = field(default_factory=list)
+    # P/D producer's instructions (tiercache.connector.pd.step); None when P/D is off
+    pd: PDStepMeta | None = None
     # async loads that failed before a job existed (an exception at planning): the worker
     # reports them finished at once (their blocks are in invalid_block_ids), so none waits forever
     failed_recvs: list[str] = field(default_factory=list)
@@ -66,12 +54,8 @@ class JobReport:
 @dataclass
 class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     done: dict[int, JobReport] = field(default_factory=dict)
-    # P/D producer: request id -> the workers (TP ranks) whose consumer finished reading its hand-off
-    handoffs_read: dict[str, set[int]] = field(default_factory=dict)
-    # P/D producer, mode direct: request id -> the workers (TP ranks) that cleared its blocks' tags
-    blocks_released: dict[str, set[int]] = field(default_factory=dict)
-    # P/D consumer: its NIXL READs from producers, (metric path, bytes, seconds) each
-    transfers: list[tuple[str, int, float]] = field(default_factory=list)
+    # what P/D saw (read notices, released blocks, READ figures); empty when P/D is off
+    pd: PDWorkerReport = field(default_factory=PDWorkerReport)
     # faults the worker's process contained since its last report, by reason (tiercache/faults.py)
     faults: dict[str, int] = field(default_factory=dict)
     # (pp_rank, tp_rank) -> namespace_check.WorkerIdentity, sent only while the scheduler asks for it
@@ -82,12 +66,10 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
-        _merge_ranks(self.handoffs_read, other.handoffs_read)
-        self.transfers += other.transfers
+        self.pd.merge(other.pd)
         for reason, n in other.faults.items():
             self.faults[reason] = self.faults.get(reason, 0) + n
         self.namespace_reports.update(other.namespace_reports)
-        _merge_ranks(self.blocks_released, other.blocks_released)
         for job_id, rep in other.done.items():
             mine = self.done.get(job_id)
             if mine is None:
@@ -99,8 +81,3 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
                 mine.secs = max(mine.secs, rep.secs)
         return self
 
-
-def _merge_ranks(into: dict[str, set[int]], other: dict[str, set[int]]) -> None:
-    """Union per request id of the TP ranks that reported it."""
-    for rid, ranks in other.items():
-        into.setdefault(rid, set()).update(ranks)

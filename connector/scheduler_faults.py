@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from tiercache.connector.metadata import TierCacheConnectorMetadata
 
 from tiercache import faults
-from tiercache.transfer.engine import TransferJobSpec
+from tiercache.jobs import LoadJob
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -37,8 +37,7 @@ class SchedulerFaults:
     _async_loads: bool
     _jobs: dict
     _reqs: dict
-    _step_loads: list[TransferJobSpec]
-    _step_staging: dict[int, tuple[str | None, ...]]
+    _step_loads: list[LoadJob]
     _step_invalid: list[int]
     _step_failed_recvs: list[str]
 
@@ -69,7 +68,6 @@ class SchedulerFaults:
         loads, self._step_loads = self._step_loads, []
         invalid, self._step_invalid = self._step_invalid, []
         failed_recvs, self._step_failed_recvs = self._step_failed_recvs, []
-        self._step_staging = {}
         try:
             for job in loads:
                 invalid.extend(job.block_ids())
@@ -81,11 +79,10 @@ class SchedulerFaults:
         return TierCacheConnectorMetadata(loads_are_sync=not self._async_loads, invalid_block_ids=invalid,
                                           failed_recvs=failed_recvs)
 
-    def _withdraw(self, job: TransferJobSpec, listed: bool = True) -> None:
+    def _withdraw(self, job: LoadJob, listed: bool = True) -> None:
         """A load job that will never reach the workers: closed as failed (pins released)."""
         if listed:
             self._step_loads.remove(job)
-            self._step_staging.pop(job.job_id, None)
         rec = self._jobs.pop(job.job_id, None)
         if rec is not None:
             rec.failed = set(rec.keys)

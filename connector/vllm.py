@@ -82,7 +82,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: TierCacheScheduler | None = None
         self._worker: TierCacheWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            # A failed load must become a recompute, not a failed request (DESIGN.md section 4);
+            # A failed load must become a recompute, not a failed request (docs/architecture.md, Faults);
             # vLLM reads this right after constructing the scheduler-side connector.
             transfer.kv_load_failure_policy = self.config.load_failure_policy
             metrics = TierCacheMetrics(engine_label=str(transfer.engine_id or "0"))

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache import faults
 from tiercache.backend import JobResult
-from tiercache.transfer.pipeline import DemoteJobSpec
-from tiercache.transfer.engine import TransferJobSpec
+from tiercache.jobs import DemoteJob, LoadJob, StoreJob
 
 if TYPE_CHECKING:
     from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
@@ -41,7 +40,7 @@ class WorkerFaults:
     """Failing jobs cleanly; mixed into TierCacheWorker (see the module docstring)."""
 
     engine: WorkerPipeline | None
-    _loads: dict[int, TransferJobSpec]
+    _loads: dict[int, LoadJob]
     _sync_jobs: set[int]
     _finished_recving: set[str]
     _invalid_blocks: set[int]
@@ -52,13 +51,12 @@ class WorkerFaults:
     def _absorb(self, results: list[JobResult]) -> None:
         raise NotImplementedError
 
-    def _start_load(self, engine: WorkerPipeline, spec: TransferJobSpec,
-                    staging: tuple[str | None, ...], sync: bool) -> None:
+    def _start_load(self, engine: WorkerPipeline, spec: LoadJob, sync: bool) -> None:
         """Hand one load to the pipeline; one that cannot start fails alone."""
         self._step_taken.add(spec.job_id)
         self._loads[spec.job_id] = spec
         try:
-            engine.submit(spec, staging)
+            engine.submit(spec)
         except Exception as exc:  # noqa: BLE001 - nothing of it started (WorkerPipeline.submit)
             faults.record(faults.CONNECTOR_EXCEPTION, exc, where="start_load_kv")
             del self._loads[spec.job_id]
@@ -70,13 +68,13 @@ class WorkerFaults:
         self._absorb(engine.wait_for(job_ids))
         self._give_up([self._loads[i] for i in job_ids if i in self._loads and i not in self._given_up])
 
-    def _fail_unstarted(self, spec: TransferJobSpec, sync: bool) -> None:
+    def _fail_unstarted(self, spec: LoadJob, sync: bool) -> None:
         self._invalid_blocks.update(spec.block_ids())
         if not sync:
             self._finished_recving.add(spec.req_id)
         self._report.add(spec.job_id, spec.keys, 0, 0.0)
 
-    def _give_up(self, specs: list[TransferJobSpec]) -> None:
+    def _give_up(self, specs: list[LoadJob]) -> None:
         if not specs or self.engine is None:
             return
         for spec in specs:
@@ -99,7 +97,7 @@ class WorkerFaults:
         except Exception as exc:  # noqa: BLE001
             faults.record(faults.CONNECTOR_EXCEPTION, exc, where="start_load_kv.fallback")
 
-    def _start_save(self, submit: Callable[[Any], None], job: TransferJobSpec | DemoteJobSpec) -> None:
+    def _start_save(self, submit: Callable[[Any], None], job: StoreJob | DemoteJob) -> None:
         """Hand one store or demotion to the pipeline; one that raises fails alone (a future miss)."""
         self._step_taken.add(job.job_id)
         try:

@@ -1,4 +1,4 @@
-"""The backend contract every tier plugin implements (DESIGN.md section 5).
+"""The backend contract every tier plugin implements (docs/plugins.md).
 
 A backend moves whole chunks between host memory it is handed (views into the
 engine's pinned slab, owned by the engine) and its medium. It never keeps a

@@ -125,8 +125,6 @@ def region_head_maps(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, loc
     """For each region (in :meth:`KVBlockLayout.from_kv_caches`'s order), the local KV head
     of every byte of one page: walks a head-index tensor exactly as :func:`_regions_of`
     walks the layer (tiercache.shards cuts store shards with it)."""
-    from tiercache.shards import head_dim_of
-
     maps: list[np.ndarray] = []
     for name, tensor in distinct_layers(kv_caches):
         block_dim = _find_block_dim(name, tuple(tensor.shape), num_blocks)
@@ -152,6 +150,19 @@ def block_dim_of(shape: Sequence[int], num_blocks: int) -> int | None:
         if size == num_blocks or (size > num_blocks > 0 and size % num_blocks == 0):
             return dim
     return None
+
+
+def head_dim_of(shape: Sequence[int], block_dim: int, local_heads: int) -> int | None:
+    """The head dimension of a layer tensor: vLLM 0.32's ``[blocks, heads, tokens, content]``
+    view has it right after the block dimension; otherwise the one dimension of that size."""
+    if local_heads == 1:
+        return None  # every byte is the one head's
+    if len(shape) == 4 and block_dim == 0 and shape[1] == local_heads:
+        return 1
+    matches = [d for d, n in enumerate(shape) if d != block_dim and n == local_heads]
+    if len(matches) == 1:
+        return matches[0]
+    raise LayoutError(f"cannot tell the KV-head dimension ({local_heads} heads) in shape {tuple(shape)}")
 
 
 def _find_block_dim(name: str, shape: tuple[int, ...], num_blocks: int) -> int:

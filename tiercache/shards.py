@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tiercache.layout import region_head_maps
+
 HEAD_SHARD = b"h"
 RANK_SHARD = b"r"
 _SUFFIX = struct.Struct(">cBHH")
@@ -172,8 +174,6 @@ class HeadSlicer:
     def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, local_heads: int,
                        blocks_per_chunk: int) -> HeadSlicer:
         """Byte maps of every region, in :meth:`KVBlockLayout.from_kv_caches`'s region order."""
-        from tiercache.layout import region_head_maps
-
         return cls(region_head_maps(kv_caches, num_blocks, local_heads), local_heads, blocks_per_chunk)
 
     def _region_views(self, chunk: np.ndarray) -> list[np.ndarray]:
@@ -256,17 +256,3 @@ def outer_heads_inner(head_map: np.ndarray, heads: int) -> tuple[int, int, int] 
     if not np.array_equal(head_map.reshape(outer, heads, inner), expected):
         return None
     return (outer, heads, inner)
-
-
-def head_dim_of(shape: Sequence[int], block_dim: int, local_heads: int) -> int | None:
-    """The head dimension of a layer tensor: vLLM 0.32's ``[blocks, heads, tokens, content]``
-    view has it right after the block dimension; otherwise the one dimension of that size."""
-    if local_heads == 1:
-        return None  # every byte is the one head's
-    if len(shape) == 4 and block_dim == 0 and shape[1] == local_heads:
-        return 1
-    matches = [d for d, n in enumerate(shape) if d != block_dim and n == local_heads]
-    if len(matches) == 1:
-        return matches[0]
-    raise ShardError(f"cannot tell the KV-head dimension ({local_heads} heads) in shape {tuple(shape)}")
-

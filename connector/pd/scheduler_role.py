@@ -2,7 +2,9 @@
 
 Runs inside :class:`tiercache.connector.scheduler.TierCacheScheduler` (vLLM's
 scheduler thread), on the same manager and the same store/load pipeline as
-offloading (DESIGN.md section 6):
+offloading: a producer's hand-off is chunks its host tier holds (or blocks it
+pins), a consumer's is a load from one more tier. It is the connector's
+scheduler-side P/D role (tiercache.connector.pd.roles: the hooks).
 
 * **Producer** (kv_role ``kv_producer``, or ``kv_both`` with a ``pd`` section):
   a request sent with ``kv_transfer_params={"do_remote_decode": True}``
@@ -28,16 +30,9 @@ offloading (DESIGN.md section 6):
   stepping only to deliver marks and releases to the worker, and, with
   ``nixl_error_handling: peer`` (tcp), while anything is held, so that its
   progress thread runs.
-* **Consumer** (kv_role ``kv_consumer``, or ``kv_both`` with ``pd``): a
-  request carrying a tiercache hand-off teaches the manager that the ``peer``
-  tier (read-only, shared, and direct: its load plans take no host slot, the
-  worker READs straight into the blocks, from the producer's host slots or KV
-  blocks per its mode) holds its chunks, after checking the producer's
-  fingerprint against its own (a mismatch is refused with an error naming the
-  fields, and counted). Lookup and prepare_load then treat the producer like
-  any lower tier; :meth:`sources_for` tells the worker which producer holds
-  each key it loads. After the load the knowledge is dropped (the producer
-  releases the chunks); a failed load is recomputed.
+* **Consumer** (kv_role ``kv_consumer``, or ``kv_both`` with ``pd``): the
+  hand-offs its requests bring are checked and offered to the manager as the
+  read-only ``peer`` tier (tiercache.connector.pd.consumer).
 * **The prompt's tail** (its partial last chunk, connector/prompt_tail.py) goes
   with the chunks in both modes, last, under a tail key: the producer stores it
   (via_host, :meth:`PDScheduler.tail_to_store`) or holds its blocks (direct);
@@ -55,32 +50,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tiercache.pd.peer_tier import PEER_TIER, PeerChunk, PeerSource
 from tiercache.config.schema import PDConfig
-from tiercache.pd.handoff import Handoff, HandoffError, fingerprint
+from tiercache.jobs import FromReader
 from tiercache.keys import KeySpace
+from tiercache.manager.directory import TierSpec
 from tiercache.manager.offloading import OffloadingManager
-from tiercache.pd.channel import key_tag
-from tiercache.pd.heads import tp_mismatches
+from tiercache.metrics import TierCacheMetrics
+from tiercache.pd.handoff import Handoff, fingerprint
+from tiercache.pd.peer_tier import PEER_TIER
 
-from tiercache.connector.block_pins import BlockPins
+from tiercache.connector.block_pins import BlockPins, VllmBlockPins
+from tiercache.connector.pd.consumer import PeerOffers
+from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, SchedulerPD
+from tiercache.connector.pd.step import DirectHold, PDStepMeta, PDWorkerReport
 from tiercache.connector.prompt_tail import PromptTail, prompt_tail
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-PRODUCER_ROLES = ("kv_producer", "kv_both")
-CONSUMER_ROLES = ("kv_consumer", "kv_both")
-
-
-def pd_settings(kv_role: str, pd: PDConfig | None) -> PDConfig | None:
-    """The P/D settings in force for this role (None: no P/D at all)."""
-    if kv_role in ("kv_producer", "kv_consumer"):
-        return pd or PDConfig()
-    return pd  # kv_both: only when configured
-
 
 @dataclass
 class _Hold:
@@ -118,18 +107,20 @@ def _take_reported(table: dict[str, _Reported], reports: Mapping[str, set[int]],
     return complete
 
 
-@dataclass(frozen=True)
-class DirectHold:
-    """Producer, mode direct: a request's device blocks the worker must mark held."""
+def peer_tier_specs(settings: PDConfig | None, kv_role: str) -> list[TierSpec]:
+    """A consumer's producers, seen as one read-only shared tier (what they announced); direct:
+    the worker READs its chunks straight into the blocks, no host slot."""
+    if settings is None or kv_role not in CONSUMER_ROLES:
+        return []
+    return [TierSpec(PEER_TIER, settings.max_peer_chunks, "lru", "read_only", shared=True, direct=True)]
 
-    keys: tuple[bytes, ...]
-    blocks: tuple[tuple[int, ...], ...]  # the blocks of each key
-    tail_tokens: int = 0  # > 0: the last key is the prompt's tail (connector/prompt_tail.py)
 
+class PDScheduler(SchedulerPD):
+    """The scheduler's P/D role: the producer's holds here, the consumer's offers in :class:`PeerOffers`."""
 
-class PDScheduler:
     def __init__(self, settings: PDConfig, kv_role: str, keys: KeySpace, manager: OffloadingManager,
-                 chunk_tokens: int, engine_id: str, tp_size: int, blocks_per_chunk: int = 1) -> None:
+                 chunk_tokens: int, engine_id: str, tp_size: int, blocks_per_chunk: int = 1,
+                 metrics: TierCacheMetrics | None = None) -> None:
         self.settings = settings
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = blocks_per_chunk
@@ -141,10 +132,10 @@ class PDScheduler:
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.fingerprint = fingerprint(keys.namespace)
+        self.metrics = metrics
+        self._published: dict[str, int] = {}
+        self._kv_cache_manager: KVCacheManager | None = None
         self._holds: dict[str, _Hold] = {}
-        self._sources: dict[bytes, PeerChunk] = {}
-        self._tails: dict[str, bytes] = {}  # consumer: request -> the tail key it may load (checked)
-        self._asked: set[str] = set()  # consumer requests whose hand-off was looked at
         # mode direct: the blocks marked on the worker, per request; for the next step's
         # metadata: marks to set, marks to clear (no hand-off after all: preempted, stopped,
         # aborted) and hand-offs whose tags every worker clears (expired, or a missed notice)
@@ -158,6 +149,77 @@ class PDScheduler:
             "handoffs_offered": 0, "handoffs_read": 0, "handoffs_expired": 0,
             "handoffs_refused": 0, "handoff_chunks_received": 0,
         }
+        self.peers: PeerOffers | None = PeerOffers(keys, manager, self.fingerprint, tp_size, chunk_tokens,
+                                                   blocks_per_chunk, self.counters) \
+            if self.is_consumer else None
+
+    # ------------------------------------------------------------ hooks (roles.SchedulerPD)
+    @property
+    def keeps_received(self) -> bool:  # type: ignore[override]
+        return self.settings.keep_received
+
+    def bind(self, kv_cache_manager: KVCacheManager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        if self.marks_prefills:
+            self.bind_pins(VllmBlockPins.of(kv_cache_manager))  # mode direct pins hand-off blocks
+
+    def lookup(self, request: Request, keys: list[bytes]) -> bytes | None:
+        if self.peers is None:
+            return None
+        self.peers.learn(request, keys)
+        return self.peers.tail_key(request, len(keys))
+
+    def load_tail(self, request: Request, chunks: int) -> bytes | None:
+        return self.peers.tail_key(request, chunks) if self.peers is not None else None
+
+    def reader_source(self, key: bytes, source: FromReader) -> FromReader:  # type: ignore[override]
+        return self.peers.reader_source(key, source) if self.peers is not None else source
+
+    def store_tail(self, request: Request) -> PromptTail | None:
+        return self.tail_to_store(request)
+
+    def scheduled(self, request: Request, num_new: int) -> None:
+        if self.marks_prefills and request.num_computed_tokens + num_new >= request.num_prompt_tokens:
+            assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+            self.mark_prefill(request, self._kv_cache_manager.get_block_ids(request.request_id)[0])
+
+    def step_meta(self) -> PDStepMeta:
+        self.expire()
+        self._publish()
+        holds, unmarks, released = self.take_direct()
+        return PDStepMeta(self.held_chunks > 0, holds, unmarks, released)
+
+    def report(self, report: PDWorkerReport) -> None:
+        if report.handoffs_read:
+            self.handoffs_read(report.handoffs_read)
+            self._publish()  # the engine may go idle now: no later step would
+        if report.blocks_released:
+            self.blocks_released(report.blocks_released)  # mode direct: unpinned, vLLM's again
+        if self.metrics is not None:
+            for path, num_bytes, secs in report.transfers:
+                self.metrics.observe_transfer(path, num_bytes, secs)  # consumer: the NIXL READs alone
+
+    def load_finished(self, keys: tuple[bytes, ...], failed: set[bytes]) -> None:
+        if self.peers is not None:
+            self.peers.load_finished(keys, failed)
+
+    def finished(self, request: Request, block_ids: list[int] | None) -> tuple[bool, dict[str, Any] | None]:
+        if self.peers is not None:
+            self.peers.forget(request.request_id)
+        return self.request_finished(request, block_ids)
+
+    def _publish(self) -> None:
+        """The P/D counters and held chunks, to the metrics."""
+        if self.metrics is None:
+            return
+        for name, value in self.counters.items():
+            if name.startswith("handoffs_"):
+                metric = self.metrics.label(self.metrics.pd_handoffs, name.removeprefix("handoffs_"))
+                metric.inc(value - self._published.get(name, 0))  # type: ignore[union-attr]
+                self._published[name] = value
+        self.metrics.label(self.metrics.pd_held_chunks).set(self.held_chunks)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------ producer
 
     def bind_pins(self, pins: BlockPins) -> None:
         self.pins = pins
@@ -259,8 +321,8 @@ class PDScheduler:
             prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
             keys = self.keys.chunk_keys(request.block_hashes)[:prompt_chunks]
             tail = self._tail(request) if len(keys) == prompt_chunks else None
-            held = self.manager.hold(keys + ([tail.key] if tail else []))  # a prefix of them
-            where = self.manager.host_slots(held)
+            held = self.manager.holds.hold_host_prefix(keys + ([tail.key] if tail else []))  # a prefix of them
+            where = self.manager.host.slots_of(held)
             if tail is not None and len(held) == len(keys) + 1:
                 tail_tokens = tail.tokens
             elif tail is not None:
@@ -287,7 +349,7 @@ class PDScheduler:
                 self._force_release(rid)
             # read: the workers that heard the notice cleared the tags already and report it
         else:
-            self.manager.complete_load(hold.keys)
+            self.manager.holds.release(hold.keys)
             if hold.tail is not None:
                 self.manager.discard([hold.tail])  # only a hand-off looks a tail up: free its slot now
         self.counters[f"handoffs_{outcome}"] += 1
@@ -326,79 +388,6 @@ class PDScheduler:
         for rid in [r for r, p in self._pinned.items() if p.deadline <= now and not p.forced]:
             # read, but some worker never heard (another TP rank's consumer failed): clear it anyway
             self._force_release(rid)
-
-    # ------------------------------------------------------------------ consumer
-    def learn(self, request: Request, keys: list[bytes]) -> None:
-        """Before the lookup: teach the manager what the request's producer holds."""
-        if not self.is_consumer or request.request_id in self._asked:
-            return
-        self._asked.add(request.request_id)
-        try:
-            handoff = Handoff.from_params(request.kv_transfer_params or {})
-        except HandoffError as exc:
-            logger.error("tiercache P/D: request %s: %s; recomputing", request.request_id, exc)
-            self.counters["handoffs_refused"] += 1
-            return
-        if handoff is None:
-            return
-        # another TP size is accepted when only it differs (tiercache.pd.heads: head-split reads)
-        diff = tp_mismatches(self.fingerprint, handoff.fingerprint)
-        if handoff.tp_size != self.tp_size and not diff and handoff.fingerprint.get("tp_size") != handoff.tp_size:
-            diff = [f"tp_size: params {handoff.tp_size}, fingerprint {handoff.fingerprint.get('tp_size')!r}"]
-        if diff:
-            logger.error("tiercache P/D: refusing the hand-off of request %s from %s (%s:%d): "
-                         "incompatible peer: %s; recomputing", request.request_id, handoff.engine_id,
-                         handoff.host, handoff.port, "; ".join(diff))
-            self.counters["handoffs_refused"] += 1
-            return
-        full = handoff.full_keys
-        if tuple(keys[:len(full)]) != full:
-            logger.error("tiercache P/D: request %s: the producer's chunk keys do not match this "
-                         "prompt (different tokens?); recomputing", request.request_id)
-            self.counters["handoffs_refused"] += 1
-            return
-        offered = list(handoff.keys)
-        if handoff.tail_key is not None:
-            ours = self._tail(request)
-            if ours is not None and (ours.key, ours.chunk, ours.tokens) == (handoff.tail_key, len(full),
-                                                                            handoff.tail_tokens):
-                self._tails[request.request_id] = ours.key
-            else:  # the chunks are still good; this engine computes the tail
-                logger.warning("tiercache P/D: request %s: the producer's prompt tail does not match this "
-                               "prompt's; its %d tokens are recomputed", request.request_id, handoff.tail_tokens)
-                offered.pop()
-        src = PeerSource(handoff.host, handoff.port, handoff.request_id,
-                         handoff.tp_size if handoff.tp_size != self.tp_size else 0)
-        self.manager.learn(PEER_TIER, offered)
-        if handoff.mode == "direct":
-            for key, blocks in zip(offered, handoff.blocks_of(self.blocks_per_chunk)):
-                self._sources[key] = PeerChunk(src, -1, blocks, key_tag(key))
-        else:
-            for key, slot in zip(offered, handoff.slots):
-                self._sources[key] = PeerChunk(src, slot, tag=key_tag(key))
-
-    def tail_key(self, request: Request, chunks: int) -> bytes | None:
-        """Consumer: the checked tail key of ``request``'s hand-off, when the tail is chunk ``chunks`` (else None)."""
-        key = self._tails.get(request.request_id)
-        if key is None or chunks != request.num_prompt_tokens // self.chunk_tokens:
-            return None
-        return key
-
-    def sources_for(self, tiers: tuple[str, ...], keys: tuple[bytes, ...]) -> dict[bytes, PeerChunk]:
-        """Where the producers hold the keys a load plan reads from a peer tier."""
-        return {k: self._sources[k] for k, t in zip(keys, tiers) if t == PEER_TIER and k in self._sources}
-
-    def load_finished(self, keys: tuple[bytes, ...], failed: set[bytes]) -> None:
-        """A load ended: forget what the producer held (it releases the chunks now)."""
-        peer_keys = [k for k in keys if self._sources.pop(k, None) is not None]
-        if peer_keys:
-            self.manager.forget(PEER_TIER, peer_keys)
-            self.counters["handoff_chunks_received"] += sum(1 for k in peer_keys if k not in failed)
-
-    def forget_request(self, request_id: str) -> None:
-        self._asked.discard(request_id)
-        self._tails.pop(request_id, None)
-
 
 def _length_capped(request: Request) -> bool:
     """The prefill ended on max_tokens (a P/D proxy's max_tokens=1), not on a stop or an abort.

@@ -1,7 +1,7 @@
-"""The host-memory tier (tiercache/transfer/host_slab.py) against the conformance kit, through its keyed API.
+"""MemoryBackend (tiercache/testing/memory_backend.py: keyed put/get over a host slab) against the conformance kit.
 
-The host tier is volatile and holds unframed bytes (it is the staging tier,
-not a lower tier), so the kit's recovery, namespace and checksum tests do not
+It is volatile and holds unframed bytes (a test backend, not a lower tier),
+so the kit's recovery, namespace and checksum tests do not
 apply to it and skip.
 """
 
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pathlib
 
-from tiercache.transfer.host_slab import HostTier
-
 from tiercache.backend import BackendContext
 from tiercache.testing.conformance import BackendConformance
+from tiercache.testing.memory_backend import MemoryBackend
+from tiercache.transfer.host_slab import HostSlab
 
 
-class TestHostTierConformance(BackendConformance):
+class TestMemoryBackendConformance(BackendConformance):
     persistent = False
 
-    def make_backend(self, path: pathlib.Path, context: BackendContext) -> HostTier:
+    def make_backend(self, path: pathlib.Path, context: BackendContext) -> MemoryBackend:
         slots = context.capacity_bytes // context.chunk_bytes
-        return HostTier(slots, context.chunk_bytes, pin_memory=False)
+        return MemoryBackend(HostSlab(slots, context.chunk_bytes, pin_memory=False))

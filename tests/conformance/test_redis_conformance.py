@@ -9,7 +9,7 @@ behind the tier's back.
 Where a shared tier differs from the kit's media, and what is tested instead:
 
 * ``persistent = False``: ``recover()`` returns nothing, because a shared tier
-  is looked up, not owned (DESIGN.md section 3). The chunks themselves do
+  is looked up, not owned (docs/architecture.md, Shared tiers). The chunks themselves do
   outlive the client, which :meth:`test_chunks_outlive_the_client` checks, and
   :meth:`test_namespaces_are_apart_on_a_shared_server` replaces the kit's
   namespace test (which skips for non-persistent media).

@@ -1,8 +1,8 @@
 """Tests of the CUDA copier (tiercache/transfer/device.py, CudaStreamCopier): run only where CUDA is.
 
 The same store/load round trip as the host copier's, between device KV
-tensors and a pinned slab, plus the stream-ordering contract (DESIGN.md
-section 4): a store reads what the compute stream wrote before it was
+tensors and a pinned slab, plus the stream-ordering contract
+(docs/architecture.md, Ownership and threads): a store reads what the compute stream wrote before it was
 submitted, ``fence_stores`` keeps the compute stream from overwriting blocks
 a store is still reading, and a load is reported only once its copy is done.
 ``torch.cuda._sleep`` keeps a stream busy so that a missing event would show
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tiercache.transfer.cuda_copier import CudaStreamCopier
-from tiercache.transfer.device import CopyJob, CopySegment, make_copier
+from tiercache.transfer.copiers import make_copier
+from tiercache.transfer.device import CopyJob, CopySegment
 from tiercache.layout import KVBlockLayout, gather_slot, slab_planes
 
 pytestmark = [

@@ -42,7 +42,8 @@ from tiercache.backend import JobResult  # noqa: E402
 from tiercache.transfer.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout, slab_planes  # noqa: E402
 from tiercache.pd.blocks import BlockRegions  # noqa: E402
-from tiercache.pd.channel import ProducerEndpoint, key_tag  # noqa: E402
+from tiercache.pd.channel import key_tag  # noqa: E402
+from tiercache.pd.producer import ProducerEndpoint  # noqa: E402
 
 BLOCKS = 16  # the consumer's KV cache: 2 layers of (K/V, blocks, 32 tokens, 2 heads, 16) float32
 BPC = 2  # blocks per chunk

@@ -33,7 +33,7 @@ from tiercache.backend import JobResult  # noqa: E402
 from tiercache.transfer.device import CopySegment  # noqa: E402
 from tiercache.layout import KVBlockLayout  # noqa: E402
 from tiercache.pd.blocks import BlockRegions  # noqa: E402
-from tiercache.pd.channel import ProducerEndpoint  # noqa: E402
+from tiercache.pd.producer import ProducerEndpoint  # noqa: E402
 from tiercache.testing.ports import free_port  # noqa: E402
 
 BLOCKS = 16

@@ -25,7 +25,7 @@ from tests.integration.test_pd_channel import Stepper, wait_result
 from tiercache.transfer.device import CopySegment
 from tiercache.layout import KVBlockLayout, slab_planes
 from tiercache.pd.blocks import BlockRegions
-from tiercache.pd.channel import ProducerEndpoint
+from tiercache.pd.producer import ProducerEndpoint
 from tiercache.pd.heads import WRONG_HEAD_ENV, page_heads
 from tiercache.testing.ports import free_port
 

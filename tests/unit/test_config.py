@@ -8,6 +8,7 @@ import pytest
 
 from tiercache.config.schema import ConfigError, config_from_extra, load_config
 from tiercache.config.sizes import format_size, parse_size
+from tiercache.server.config import load_server_config
 
 
 @pytest.mark.parametrize(
@@ -68,6 +69,15 @@ def test_errors_name_the_key(overrides: dict, fragment: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, **overrides)
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("load", [load_config, load_server_config], ids=["engine", "server"])
+@pytest.mark.parametrize("lower", [{"backend": "cpu"}, {}], ids=["named", "default"])
+def test_cpu_is_the_host_tier_and_first_only(load, lower: dict) -> None:  # type: ignore[no-untyped-def]
+    tiers = [{"name": "cpu", "capacity": "1MiB"}, {"name": "d", "backend": "disk", "capacity": "1MiB"},
+             {"name": "more", "capacity": "1MiB", **lower}]
+    with pytest.raises(ConfigError, match=r"tiers\.2\.backend: 'cpu' is the host tier .* can only be the first tier"):
+        load(tiers=tiers)
 
 
 def test_env_error_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from tiercache.jobs import TransferJob  # noqa: E402
+from tiercache.testing.job_builders import make_job  # noqa: E402
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry  # noqa: E402
 from tiercache.connector.metadata import TierCacheConnectorMetadata  # noqa: E402
 from tiercache.connector.scheduler import TierCacheScheduler  # noqa: E402
@@ -29,7 +31,7 @@ from tiercache.connector.worker import TierCacheWorker  # noqa: E402
 from tiercache import faults  # noqa: E402
 from tiercache.config.schema import load_config  # noqa: E402
 from tiercache.transfer.device import CopySegment  # noqa: E402
-from tiercache.transfer.engine import TransferJobSpec  # noqa: E402
+
 
 BLOCK, BLOCKS, HEADS, HEAD_DIM = 32, 32, 2, 8
 PER_BLOCK = 2 * (2 * BLOCK * HEADS * HEAD_DIM * 4)  # two layers of K and V, float32
@@ -108,12 +110,12 @@ def worker() -> Any:
     w.shutdown()
 
 
-def store_job(job_id: int) -> TransferJobSpec:
-    return TransferJobSpec(job_id, "w", "store", (b"k" * 44,), (CopySegment(0, 0, (1, 2)),))
+def store_job(job_id: int) -> TransferJob:
+    return make_job(job_id, "w", "store", (b"k" * 44,), (CopySegment(0, 0, (1, 2)),))
 
 
-def load_job(job_id: int, rid: str, blocks: tuple[int, ...]) -> TransferJobSpec:
-    return TransferJobSpec(job_id, rid, "load", (b"k" * 44,), (CopySegment(0, 0, blocks),))
+def load_job(job_id: int, rid: str, blocks: tuple[int, ...]) -> TransferJob:
+    return make_job(job_id, rid, "load", (b"k" * 44,), (CopySegment(0, 0, blocks),))
 
 
 def test_a_sync_load_whose_wait_raises_is_recomputed_and_still_reported_to_the_manager(worker: Any) -> None:
@@ -136,12 +138,12 @@ def test_an_async_load_that_cannot_run_is_finished_with_its_blocks_failed(worker
     conn = facade(worker=worker, meta=meta)
     if where == "submit":  # the pipeline refuses job 2: it fails alone
         real = worker.engine.submit
-        worker.engine.submit = lambda spec, staging=(): (real(spec, staging) if spec.job_id != 2
+        worker.engine.submit = lambda spec: (real(spec) if spec.job_id != 2
                                                          else (_ for _ in ()).throw(RuntimeError("test")))
     else:  # start_load_kv raises before job 2: the facade's fallback fails what was not taken
         real = worker._start_load
-        worker._start_load = lambda engine, spec, staging, sync: (
-            real(engine, spec, staging, sync) if spec.job_id != 2 else (_ for _ in ()).throw(RuntimeError("test")))
+        worker._start_load = lambda engine, spec, sync: (
+            real(engine, spec, sync) if spec.job_id != 2 else (_ for _ in ()).throw(RuntimeError("test")))
     conn.start_load_kv(None)
     recving: set[str] = set()
     for _ in range(1000):  # job 1's copy runs on the copy thread
@@ -206,7 +208,7 @@ def test_a_failed_step_fails_its_planned_loads_and_releases_their_pins(load_mode
     sched, conn, req, keys = hitting_scheduler(load_mode)
     conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (BLOCK_IDS,)), 128)  # type: ignore[arg-type]
     assert sched.manager.host.pins
-    sched.manager.prepare_demotions = raising  # type: ignore[method-assign]
+    sched.manager.cascade.prepare_demotions = raising  # type: ignore[method-assign]
     meta = conn.build_connector_meta(step_output(r=10))
     assert meta.loads == [] and meta.stores == [] and sorted(meta.invalid_block_ids) == [10, 11, 12, 13]
     assert meta.failed_recvs == (["r"] if load_mode == "async" else [])

@@ -56,19 +56,19 @@ def test_worker_metadata_aggregates_over_tp_ranks() -> None:
 
 def test_worker_metadata_keeps_which_ranks_heard_a_read_and_cleared_blocks() -> None:
     rank0, rank1 = TierCacheWorkerMetadata(), TierCacheWorkerMetadata()
-    rank0.handoffs_read["a"] = {0}
-    rank1.handoffs_read.update({"a": {1}, "b": {1}})
-    rank1.blocks_released["a"] = {1}
+    rank0.pd.handoffs_read["a"] = {0}
+    rank1.pd.handoffs_read.update({"a": {1}, "b": {1}})
+    rank1.pd.blocks_released["a"] = {1}
     merged = rank0.aggregate(rank1)
     assert isinstance(merged, TierCacheWorkerMetadata)
-    assert merged.handoffs_read == {"a": {0, 1}, "b": {1}} and merged.blocks_released == {"a": {1}}
+    assert merged.pd.handoffs_read == {"a": {0, 1}, "b": {1}} and merged.pd.blocks_released == {"a": {1}}
 
 
 def test_worker_metadata_keeps_every_ranks_peer_transfers() -> None:
     rank0, rank1 = TierCacheWorkerMetadata(), TierCacheWorkerMetadata()
-    rank0.transfers.append(("peer_device_to_device", 1000, 0.002))
-    rank1.transfers += [("peer_device_to_device", 1000, 0.003), ("peer_host_to_device", 10, 0.001)]
+    rank0.pd.transfers.append(("peer_device_to_device", 1000, 0.002))
+    rank1.pd.transfers += [("peer_device_to_device", 1000, 0.003), ("peer_host_to_device", 10, 0.001)]
     merged = rank0.aggregate(rank1)
     assert isinstance(merged, TierCacheWorkerMetadata)
-    assert sorted(merged.transfers) == [("peer_device_to_device", 1000, 0.002), ("peer_device_to_device", 1000, 0.003),
+    assert sorted(merged.pd.transfers) == [("peer_device_to_device", 1000, 0.002), ("peer_device_to_device", 1000, 0.003),
                                         ("peer_host_to_device", 10, 0.001)]

@@ -21,7 +21,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from tiercache.transfer.device import CopyDone, CopyJob, CopySegment, copy_segments, make_copier, zero_blocks
+from tiercache.transfer.copiers import make_copier
+from tiercache.transfer.device import CopyDone, CopyJob, CopySegment, copy_segments, zero_blocks
 from tiercache.transfer.host_copier import HostThreadCopier
 from tiercache.transfer.host_gather import GIL_FREE_ITEMS, MIN_LOAD_ITEM_BYTES, HostSegmentCopier
 from tiercache.layout import KVBlockLayout

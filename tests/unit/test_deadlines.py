@@ -18,14 +18,16 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
+from tiercache.jobs import DemoteJob
+from tiercache.testing.job_builders import make_job
 from tiercache import faults
 from tiercache.transfer.device import CopySegment
 from tiercache.manager.offloading import OffloadingManager, TierSpec
-from tiercache.transfer.pipeline import DemoteJobSpec
+
 from tiercache.testing.faulty_backends import FaultySettings, NeverReportsBackend
 from tiercache.testing.pipeline_rig import SLOTS, TIER, PipelineRig
 from tiercache.testing.pipeline_rig import rig_key as key
-from tiercache.transfer.engine import TransferJobSpec
+
 
 DEADLINE = 0.3
 SLACK = 0.5  # scheduling noise on a 2-core machine
@@ -75,8 +77,8 @@ def test_the_manager_keeps_a_late_staging_slot_reserved_until_the_backend_report
     (slot,) = manager.prepare_store([k]).slots  # type: ignore[union-attr]
     assert rig.store_and_demote(k, slot, (3, 4)).ok
     manager.complete_store([k])
-    (plan,) = manager.prepare_demotions()
-    manager.complete_demotion(TIER, plan.keys)
+    (plan,) = manager.cascade.prepare_demotions()
+    manager.cascade.complete_demotion(TIER, plan.keys)
     manager.reset()  # the host copy goes; the shared tier keeps it
     assert manager.lookup([k]) == 1
     load = manager.prepare_load([k])
@@ -124,7 +126,7 @@ def test_a_stalled_tier_fails_new_jobs_at_once_until_its_late_jobs_are_reported(
     rig.pipe.poll()
     assert not rig.tier_io.stalled(TIER)
     job = rig.job()
-    rig.pipe.submit(TransferJobSpec(job, "r", "load", (key(1),), (CopySegment(4, 0, (13,)),)), (TIER,))
+    rig.pipe.submit(make_job(job, "r", "load", (key(1),), (CopySegment(4, 0, (13,)),), (TIER,)))
     assert len(rig.backend.stuck) == 1  # handed over again
 
 
@@ -134,7 +136,7 @@ def test_a_demotion_past_its_deadline_stays_with_its_backend_until_reported() ->
     try:
         rig.store(key(1), 0, (3, 4))
         demote = rig.job()
-        rig.pipe.submit_demote(DemoteJobSpec(demote, TIER, (key(1),), (0,)))
+        rig.pipe.submit_demote(DemoteJob(demote, TIER, (key(1),), (0,)))
         time.sleep(DEADLINE + 0.05)
         assert all(r.job_id != demote for r in rig.pipe.poll())  # no result: the host copy stays pinned
         assert faults.take().get(faults.STORE_DEADLINE) == 1 and rig.tier_io.stalled(TIER)
@@ -164,7 +166,7 @@ def test_deletes_never_block_the_worker_and_a_demotion_stuck_behind_them_fails_a
         rig.pipe.delete({TIER: [key(5)]})
         rig.store(key(1), 0, (3, 4))
         demote = rig.job()
-        rig.pipe.submit_demote(DemoteJobSpec(demote, TIER, (key(1),), (0,)))
+        rig.pipe.submit_demote(DemoteJob(demote, TIER, (key(1),), (0,)))
         assert all(r.job_id != demote for r in rig.pipe.poll())
         assert time.perf_counter() - start < 0.2  # the worker thread never waited for the delete
         res = rig.result(demote)
@@ -180,14 +182,14 @@ def test_deletes_never_block_the_worker_and_a_demotion_stuck_behind_them_fails_a
 
 def test_a_failed_load_forgets_a_shared_tiers_chunk_but_never_deletes_it() -> None:
     manager = OffloadingManager([TierSpec("cpu", SLOTS), TierSpec("disk", 8), TierSpec("redis", 8, shared=True)])
-    manager.learn("redis", [key(1)])
+    manager.cascade.learn("redis", [key(1)])
     manager.prepare_store([key(2)])
     manager.complete_store([key(2)])
-    for plan in manager.prepare_demotions():  # written through to disk and redis
-        manager.complete_demotion(plan.tier, plan.keys)
+    for plan in manager.cascade.prepare_demotions():  # written through to disk and redis
+        manager.cascade.complete_demotion(plan.tier, plan.keys)
     manager.reset()  # host copies gone: key 1 only in redis, key 2 on disk (and redis)
     load = manager.prepare_load([key(1), key(2)])
     manager.complete_load(load.keys, failed=load.keys)  # e.g. a stalled tier
     manager.discard(list(load.keys))
     assert manager.lookup([key(1)]) == 0 and manager.lookup([key(2)]) == 0  # both recomputed
-    assert manager.take_deletes() == {"disk": [key(2)]}  # the shared copy stays for other engines
+    assert manager.deletes.take() == {"disk": [key(2)]}  # the shared copy stays for other engines

@@ -50,28 +50,28 @@ def test_held_chunks_survive_eviction_until_released() -> None:
     m = OffloadingManager([TierSpec("cpu", 2)])
     plan = m.prepare_store([key(1), key(2)])
     assert plan is not None
-    assert m.hold([key(1), key(2), key(3)]) == [key(1), key(2)]  # a prefix: stops at the first missing
-    storing_slots = m.host_slots([key(1), key(2)])
+    assert m.holds.hold_host_prefix([key(1), key(2), key(3)]) == [key(1), key(2)]  # a prefix: stops at the first missing
+    storing_slots = m.host.slots_of([key(1), key(2)])
     assert storing_slots == list(plan.slots)  # the slots the hand-off params will name
     m.complete_store([key(1), key(2)])
-    assert m.host_slots([key(1), key(2)]) == storing_slots  # stable while held
+    assert m.host.slots_of([key(1), key(2)]) == storing_slots  # stable while held
     assert m.prepare_store([key(3)]) is None  # both slots held: nothing evictable
-    m.complete_load([key(1), key(2)])  # released (read or expired)
+    m.holds.release([key(1), key(2)])  # released (read or expired)
     assert m.prepare_store([key(3)]) is not None
 
 
 def test_peer_tier_is_read_only_and_forgotten_after_the_load() -> None:
     m = OffloadingManager([TierSpec("cpu", 4), TierSpec("peer", 8, mode="read_only", shared=True)])
-    m.learn("peer", [key(1), key(2)])
+    m.cascade.learn("peer", [key(1), key(2)])
     assert m.lookup([key(1), key(2)]) == 2
     plan = m.prepare_load([key(1), key(2)])
     assert plan.tiers == ("peer", "peer") and all(plan.staged)
     m.complete_load(plan.keys)
-    m.forget("peer", list(plan.keys))
+    m.cascade.forget("peer", list(plan.keys))
     assert m.state_of(key(1), "peer") is None
     m.prepare_store([key(9)])
     m.complete_store([key(9)])
-    assert m.prepare_demotions() == []  # nothing is ever copied down into a producer
+    assert m.cascade.prepare_demotions() == []  # nothing is ever copied down into a producer
 
 
 def test_direct_params_name_each_chunks_blocks() -> None:

@@ -1,7 +1,8 @@
-"""Unit tests of the host tier (tiercache/transfer/host_slab.py): the slab, its slot views, the keyed Backend API.
+"""Unit tests of the host tier's slab (tiercache/transfer/host_slab.py) and its slot views, and of the
+keyed Backend API over a slab (tiercache/testing/memory_backend.py).
 
 The connector addresses slots by number (through the TransferEngine); the
-keyed put/get is the Backend contract of DESIGN.md section 5, exercised here
+keyed put/get is the Backend contract (tiercache/backend.py), exercised here
 with the kinds of memoryview a caller may hand over.
 """
 
@@ -12,9 +13,10 @@ import array
 import numpy as np
 import pytest
 import torch
-from tiercache.transfer.host_slab import HostTier, commit_pages, touch_pages
 
 from tiercache.backend import Backend, JobResult
+from tiercache.testing.memory_backend import MemoryBackend
+from tiercache.transfer.host_slab import HostSlab, commit_pages, touch_pages
 
 SLOT = 64
 
@@ -23,41 +25,49 @@ def view_of(data: bytes) -> memoryview:
     return memoryview(bytearray(data))
 
 
-def result(tier: HostTier) -> JobResult:
+def result(tier: MemoryBackend) -> JobResult:
     (res,) = tier.poll()
     return res
 
 
 @pytest.fixture
-def tier() -> HostTier:
-    return HostTier(3, SLOT, pin_memory=False)
+def host() -> HostSlab:
+    return HostSlab(3, SLOT, pin_memory=False)
+
+
+@pytest.fixture
+def tier(host: HostSlab) -> MemoryBackend:
+    return MemoryBackend(host)
 
 
 # ---------------------------------------------------------------------------------- slab
-def test_slab_geometry(tier: HostTier) -> None:
-    assert isinstance(tier, Backend) and tier.name == "cpu"
-    assert tier.slab.shape == (3, SLOT) and tier.slab.dtype == torch.uint8
-    assert tier.capacity_bytes == 3 * SLOT
-    assert not tier.pinned and not tier.slab.is_pinned()
+def test_slab_geometry(host: HostSlab) -> None:
+    assert host.slab.shape == (3, SLOT) and host.slab.dtype == torch.uint8
+    assert host.capacity_bytes == 3 * SLOT
+    assert not host.pinned and not host.slab.is_pinned()
 
 
-def test_slot_is_a_view_of_the_slab(tier: HostTier) -> None:
-    tier.slab.zero_()
-    slot = tier.slot(1)
+def test_slot_is_a_view_of_the_slab(host: HostSlab) -> None:
+    host.slab.zero_()
+    slot = host.slot(1)
     assert slot.shape == (SLOT,)
-    assert slot.data_ptr() == tier.slab.data_ptr() + SLOT
+    assert slot.data_ptr() == host.slab.data_ptr() + SLOT
     slot.fill_(9)
-    assert tier.slab[1].eq(9).all() and tier.slab[0].eq(0).all() and tier.slab[2].eq(0).all()
+    assert host.slab[1].eq(9).all() and host.slab[0].eq(0).all() and host.slab[2].eq(0).all()
 
 
 @pytest.mark.parametrize(("slots", "size"), [(0, SLOT), (2, 0), (-1, SLOT)])
 def test_empty_tier_refused(slots: int, size: int) -> None:
     with pytest.raises(ValueError, match="at least one slot"):
-        HostTier(slots, size, pin_memory=False)
+        HostSlab(slots, size, pin_memory=False)
 
 
 # ----------------------------------------------------------------------------- keyed API
-def test_put_get_round_trip(tier: HostTier) -> None:
+def test_memory_backend_is_a_backend(tier: MemoryBackend) -> None:
+    assert isinstance(tier, Backend) and tier.name == "memory"
+
+
+def test_put_get_round_trip(tier: MemoryBackend) -> None:
     chunks = {b"a": bytes(range(SLOT)), b"b": bytes(range(100, 100 + SLOT))}
     tier.submit_put(1, list(chunks), [memoryview(v) for v in chunks.values()])  # read-only views
     put = result(tier)
@@ -71,13 +81,13 @@ def test_put_get_round_trip(tier: HostTier) -> None:
     assert tier.contains([b"a", b"b", b"c"]) == [True, True, False]
 
 
-def test_put_result_counts(tier: HostTier) -> None:
+def test_put_result_counts(tier: MemoryBackend) -> None:
     tier.submit_put(1, [b"a"], [view_of(b"x" * 10)])
     res = result(tier)
     assert (res.ok_keys, res.failed_keys, res.bytes, res.ok) == ((b"a",), (), 10, True)
 
 
-def test_views_of_any_format_are_bytes(tier: HostTier) -> None:
+def test_views_of_any_format_are_bytes(tier: MemoryBackend) -> None:
     """A memoryview's len() counts items, not bytes: a 16-int view is 64 bytes."""
     ints = array.array("i", range(16))
     assert ints.itemsize * len(ints) == SLOT
@@ -91,7 +101,7 @@ def test_views_of_any_format_are_bytes(tier: HostTier) -> None:
     assert result(tier).failed_keys == (b"big",)
 
 
-def test_full_tier_fails_the_extra_keys(tier: HostTier) -> None:
+def test_full_tier_fails_the_extra_keys(tier: MemoryBackend) -> None:
     keys = [b"k%d" % i for i in range(5)]
     tier.submit_put(1, keys, [view_of(bytes([i]) * SLOT) for i in range(5)])
     res = result(tier)
@@ -100,7 +110,7 @@ def test_full_tier_fails_the_extra_keys(tier: HostTier) -> None:
     assert tier.contains(keys) == [True, True, True, False, False]
 
 
-def test_put_again_overwrites_in_place(tier: HostTier) -> None:
+def test_put_again_overwrites_in_place(tier: MemoryBackend) -> None:
     tier.submit_put(1, [b"a", b"b", b"c"], [view_of(b"1" * SLOT)] * 3)
     tier.poll()
     tier.submit_put(2, [b"a"], [view_of(b"2" * SLOT)])  # tier full, but the key has a slot
@@ -110,7 +120,7 @@ def test_put_again_overwrites_in_place(tier: HostTier) -> None:
     assert result(tier).ok and bytes(out) == b"2" * SLOT
 
 
-def test_delete_frees_the_slot(tier: HostTier) -> None:
+def test_delete_frees_the_slot(tier: MemoryBackend) -> None:
     tier.submit_put(1, [b"a", b"b", b"c"], [view_of(b"z" * SLOT)] * 3)
     tier.poll()
     tier.delete([b"b", b"never-stored"])
@@ -121,7 +131,7 @@ def test_delete_frees_the_slot(tier: HostTier) -> None:
     assert result(tier).ok
 
 
-def test_get_of_a_missing_key_fails_it(tier: HostTier) -> None:
+def test_get_of_a_missing_key_fails_it(tier: MemoryBackend) -> None:
     out = bytearray(b"\xff" * SLOT)
     tier.submit_get(1, [b"nope"], [memoryview(out)])
     res = result(tier)
@@ -135,7 +145,7 @@ def test_get_of_a_missing_key_fails_it(tier: HostTier) -> None:
     assert out == bytearray(b"\xff" * SLOT)
 
 
-def test_unusable_views_fail_their_key_only(tier: HostTier) -> None:
+def test_unusable_views_fail_their_key_only(tier: MemoryBackend) -> None:
     tier.submit_put(1, [b"a"], [view_of(b"a" * SLOT)])
     tier.poll()
     read_only = memoryview(bytes(SLOT))  # a get must not write into an immutable bytes object
@@ -151,7 +161,7 @@ def test_unusable_views_fail_their_key_only(tier: HostTier) -> None:
     assert tier.contains([b"s", b"o"]) == [False, False]  # no slot leaked
 
 
-def test_short_views_move_their_length(tier: HostTier) -> None:
+def test_short_views_move_their_length(tier: MemoryBackend) -> None:
     tier.submit_put(1, [b"a"], [view_of(b"abc")])
     assert result(tier).bytes == 3
     out = bytearray(2)
@@ -161,7 +171,7 @@ def test_short_views_move_their_length(tier: HostTier) -> None:
     assert result(tier).ok
 
 
-def test_poll_drains(tier: HostTier) -> None:
+def test_poll_drains(tier: MemoryBackend) -> None:
     assert tier.poll() == []
     for job_id in range(1, 4):
         tier.submit_put(job_id, [b"k%d" % job_id], [view_of(b"x")])
@@ -169,7 +179,7 @@ def test_poll_drains(tier: HostTier) -> None:
     assert tier.poll() == []
 
 
-def test_close_forgets_keys(tier: HostTier) -> None:
+def test_close_forgets_keys(tier: MemoryBackend) -> None:
     tier.submit_put(1, [b"a"], [view_of(b"x")])
     tier.close()
     assert tier.poll() == [] and tier.contains([b"a"]) == [False]
@@ -192,8 +202,8 @@ def test_committing_pages_makes_a_fresh_buffer_resident(commit) -> None:  # type
 
 def test_prefaulted_slab_is_resident_at_start_up_and_a_lazy_one_is_not() -> None:
     before = _resident_bytes()
-    lazy = HostTier(64, 1 << 20)
+    lazy = HostSlab(64, 1 << 20)
     assert not lazy.prefaulted and _resident_bytes() - before < (16 << 20)
     before = _resident_bytes()
-    eager = HostTier(64, 1 << 20, prefault=True)
+    eager = HostSlab(64, 1 << 20, prefault=True)
     assert eager.prefaulted and _resident_bytes() - before >= (60 << 20)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiercache.transfer.host_slab import HostTier
+from tiercache.transfer.host_slab import HostSlab
 
 from tiercache.transfer.huge_pages import (
     HUGE_PAGE_BYTES,
@@ -99,12 +99,12 @@ def test_a_slab_advised_before_its_first_touch_comes_up_huge() -> None:
 
 @needs_thp
 def test_host_tier_huge_pages_only_when_asked() -> None:
-    huge = HostTier(16, MIB, pin_memory=False, prefault=True, huge_pages=True)
+    huge = HostSlab(16, MIB, pin_memory=False, prefault=True, huge_pages=True)
     assert huge.huge_pages is not None and huge.huge_pages.huge_bytes >= 14 * MIB
     assert huge_bytes_in(huge.slab.data_ptr(), huge.slab.nbytes) == huge.huge_pages.huge_bytes
-    small = HostTier(16, MIB, pin_memory=False, prefault=True)
+    small = HostSlab(16, MIB, pin_memory=False, prefault=True)
     assert small.huge_pages is None
-    lazy = HostTier(16, MIB, pin_memory=False, huge_pages=True)  # huge pages come with prefaulting only
+    lazy = HostSlab(16, MIB, pin_memory=False, huge_pages=True)  # huge pages come with prefaulting only
     assert lazy.huge_pages is None
 
 

@@ -92,7 +92,7 @@ def test_constructor_validates_tiers() -> None:
 def test_new_manager_is_empty(policy: str) -> None:
     m = manager(policy, 4)
     assert m.usage() == {HOST: (0, 4)}
-    assert m.take_events() == []
+    assert m.events.take() == []
     stats = m.stats()
     assert (stats.lookups, stats.lookup_chunks, stats.lookup_hit_chunks) == (0, 0, 0)
     assert set(stats.tiers[HOST].as_dict().values()) == {0}
@@ -148,12 +148,12 @@ def test_failed_store_leaves_no_trace(policy: str) -> None:
     m = manager(policy, 2)
     plan = m.prepare_store(ks(0, 1))
     assert plan is not None
-    m.take_events()
+    m.events.take()
     m.complete_store(ks(0, 1), ok=False)
     assert m.state_of(key(0)) is None and m.state_of(key(1)) is None
     assert m.lookup(ks(0)) == 0
     assert used(m) == 0
-    assert m.take_events() == []  # nothing was ever stored
+    assert m.events.take() == []  # nothing was ever stored
     tier = m.stats().tiers[HOST]
     assert (tier.store_failures, tier.stored_chunks, tier.evictions) == (2, 0, 0)
     # Both slots are free again: a full-size store fits without evicting.
@@ -177,13 +177,13 @@ def test_complete_store_ignores_unknown_and_ready_keys(policy: str) -> None:
     m.complete_store(ks(9), ok=True)
     m.complete_store(ks(9), ok=False)
     store(m, ks(0))
-    m.take_events()
+    m.events.take()
     m.complete_store(ks(0), ok=True)  # already READY: no double count, no event
     m.complete_store(ks(0), ok=False)  # a READY chunk is not dropped by a late failure
     assert state(m, key(0)) is ChunkState.READY
     tier = m.stats().tiers[HOST]
     assert (tier.stored_chunks, tier.store_failures) == (1, 0)
-    assert m.take_events() == [] and used(m) == 1
+    assert m.events.take() == [] and used(m) == 1
 
 
 def test_storing_keys_are_never_evicted(policy: str) -> None:
@@ -228,11 +228,11 @@ def test_full_tier_of_pinned_and_storing_refuses(policy: str) -> None:
     store(m, ks(0, 1))
     m.prepare_load(ks(0, 1))
     m.prepare_store(ks(2))  # STORING
-    m.take_events()
+    m.events.take()
     assert m.prepare_store(ks(3, 4)) is None  # never raises
     assert m.stats().tiers[HOST].store_refused == 2
     assert m.stats().tiers[HOST].evictions == 0
-    assert m.take_events() == []
+    assert m.events.take() == []
     assert used(m) == 3
     assert [state(m, k) for k in ks(0, 1, 2)] == [
         ChunkState.READY,
@@ -378,28 +378,28 @@ def test_touch_ignores_missing_and_storing_keys(policy: str) -> None:
 def test_events_stored_removed_and_drained(policy: str) -> None:
     m = manager(policy, 2)
     store(m, ks(0, 1))
-    events = m.take_events()
+    events = m.events.take()
     assert events == [ChunkEvent(EventKind.STORED, HOST, tuple(ks(0, 1)))]
     assert events[0].prefix_hashes() == [prefix_hash(0), prefix_hash(1)]
-    assert m.take_events() == []
+    assert m.events.take() == []
 
     store(m, ks(2))
-    assert m.take_events() == [
+    assert m.events.take() == [
         ChunkEvent(EventKind.REMOVED, HOST, (key(1),)),
         ChunkEvent(EventKind.STORED, HOST, (key(2),)),
     ]
     m.reset()
-    events = m.take_events()
+    events = m.events.take()
     assert [e.kind for e in events] == [EventKind.REMOVED]
     assert set(events[0].keys) == {key(0), key(2)}
-    assert m.take_events() == []
+    assert m.events.take() == []
 
 
 def test_failed_store_emits_no_event_but_frees(policy: str) -> None:
     m = manager(policy, 1)
     m.prepare_store(ks(0))
     m.complete_store(ks(0), ok=False)
-    assert m.take_events() == []
+    assert m.events.take() == []
 
 
 # ------------------------------------------------------------------------------ stats
@@ -440,9 +440,9 @@ def test_reset_drops_only_ready_unpinned(policy: str) -> None:
     store(m, ks(0, 1, 2))
     load = m.prepare_load(ks(0))
     m.prepare_store(ks(3))  # STORING
-    m.take_events()
+    m.events.take()
     assert m.reset() == 2
-    assert [e.kind for e in m.take_events()] == [EventKind.REMOVED]
+    assert [e.kind for e in m.events.take()] == [EventKind.REMOVED]
     assert m.state_of(key(0)) == (ChunkState.READY, load.slots[0], 1)
     assert state(m, key(3)) is ChunkState.STORING
     assert state(m, key(1)) is None and state(m, key(2)) is None
@@ -458,7 +458,7 @@ def test_reset_drops_only_ready_unpinned(policy: str) -> None:
 def test_reset_of_empty_manager(policy: str) -> None:
     m = manager(policy, 3)
     assert m.reset() == 0
-    assert m.take_events() == []
+    assert m.events.take() == []
 
 
 def test_shutdown_forgets_everything(policy: str) -> None:
@@ -474,7 +474,7 @@ def test_shutdown_forgets_everything(policy: str) -> None:
 # ----------------------------------------------------------------------- several tiers
 def place_in_lower_tier(m: OffloadingManager, tier_name: str, k: bytes) -> int:
     """Make ``k`` READY in a lower tier only, as after a restart (``adopt``)."""
-    assert m.adopt(tier_name, [k]) == []
+    assert m.cascade.adopt(tier_name, [k]) == []
     return m.state_of(k, tier_name)[1]  # type: ignore[index]
 
 
@@ -502,7 +502,7 @@ def test_lookup_and_staged_load_across_tiers(policy: str) -> None:
         m.prepare_load(ks(1, 2))
     assert m.reset() == 3
     assert m.usage() == {HOST: (0, 2), "disk": (0, 4)}
-    assert m.take_deletes() == {"disk": [key(1)]}
+    assert m.deletes.take() == {"disk": [key(1)]}
 
 
 def test_failed_staged_load_frees_staging_and_discard_deletes(policy: str) -> None:
@@ -512,7 +512,7 @@ def test_failed_staged_load_frees_staging_and_discard_deletes(policy: str) -> No
     m.complete_load(ks(0), failed={key(0)})
     assert m.state_of(key(0), HOST) is None and plan.slots[0] in m.host.free_slots
     assert m.discard(ks(0)) == 1  # the caller drops the bad chunk from its tier
-    assert m.lookup(ks(0)) == 0 and m.take_deletes() == {"disk": [key(0)]}
+    assert m.lookup(ks(0)) == 0 and m.deletes.take() == {"disk": [key(0)]}
 
 
 def test_staging_evicts_host_but_stops_when_no_room(policy: str) -> None:
@@ -533,18 +533,18 @@ def test_staging_evicts_host_but_stops_when_no_room(policy: str) -> None:
 def test_write_through_demotes_every_store(policy: str) -> None:
     m = two_tiers(policy)
     store(m, ks(0, 1))
-    (plan,) = m.prepare_demotions()
+    (plan,) = m.cascade.prepare_demotions()
     assert plan.tier == "disk" and plan.keys == (key(0), key(1))
     assert plan.host_slots == (m.state_of(key(0), HOST)[1], m.state_of(key(1), HOST)[1])  # type: ignore[index]
     assert pins(m, key(0)) == 1  # the host copy is pinned while the backend reads it
-    assert m.prepare_demotions() == []
-    m.complete_demotion("disk", plan.keys, failed={key(1)})
+    assert m.cascade.prepare_demotions() == []
+    m.cascade.complete_demotion("disk", plan.keys, failed={key(1)})
     assert pins(m, key(0)) == 0
     assert m.state_of(key(0), "disk")[0] is ChunkState.READY  # type: ignore[index]
     assert m.state_of(key(1), "disk") is None
     assert m.stats().tiers["disk"].store_failures == 1
     store(m, ks(2))  # host full: evicts key 1 (LRU tail); key 0 stays on disk anyway
-    (plan,) = m.prepare_demotions()
+    (plan,) = m.cascade.prepare_demotions()
     assert plan.keys == (key(2),)
 
 
@@ -552,8 +552,8 @@ def test_write_through_chunks_are_not_evicted_before_their_copy(policy: str) -> 
     m = two_tiers(policy)
     store(m, ks(0, 1))  # both queued for the disk tier: pinned in the host tier
     assert store(m, ks(2)) is None  # no room: nothing evictable yet
-    (plan,) = m.prepare_demotions()
-    m.complete_demotion("disk", plan.keys)
+    (plan,) = m.cascade.prepare_demotions()
+    m.cascade.complete_demotion("disk", plan.keys)
     assert pins(m, key(0)) == pins(m, key(1)) == 0
     plan2 = store(m, ks(2))
     assert plan2 is not None and len(plan2.evicted) == 1
@@ -563,19 +563,19 @@ def test_write_through_chunks_are_not_evicted_before_their_copy(policy: str) -> 
 def test_reset_abandons_pending_write_through_copies(policy: str) -> None:
     m = two_tiers(policy)
     store(m, ks(0, 1))
-    assert m.reset() == 2 and m.prepare_demotions() == []
+    assert m.reset() == 2 and m.cascade.prepare_demotions() == []
     assert m.usage() == {HOST: (0, 2), "disk": (0, 4)}
 
 
 def test_lower_tier_eviction_queues_deletes(policy: str) -> None:
     m = two_tiers(policy, host=4, disk=2)
     store(m, ks(0, 1))
-    (p1,) = m.prepare_demotions()
-    m.complete_demotion("disk", p1.keys)
+    (p1,) = m.cascade.prepare_demotions()
+    m.cascade.complete_demotion("disk", p1.keys)
     store(m, ks(2))
-    (p2,) = m.prepare_demotions()
+    (p2,) = m.cascade.prepare_demotions()
     assert p2.keys == (key(2),)
-    deletes = m.take_deletes()["disk"]
+    deletes = m.deletes.take()["disk"]
     assert len(deletes) == 1 and deletes[0] in (key(0), key(1))
     assert m.usage()["disk"] == (2, 2)
 
@@ -583,15 +583,15 @@ def test_lower_tier_eviction_queues_deletes(policy: str) -> None:
 def test_write_back_demotes_cold_chunks_above_watermark(policy: str) -> None:
     m = two_tiers(policy, host=4, mode="write_back")
     store(m, ks(0, 1))
-    assert m.prepare_demotions() == []  # half full: nothing to do
+    assert m.cascade.prepare_demotions() == []  # half full: nothing to do
     store(m, ks(2, 3))
-    plans = m.prepare_demotions(max_keys=2)
+    plans = m.cascade.prepare_demotions(max_keys=2)
     assert len(plans) == 1 and len(plans[0].keys) == 2
 
 
 def test_adopt_respects_budget(policy: str) -> None:
     m = two_tiers(policy, disk=2)
-    extra = m.adopt("disk", ks(0, 1, 2))
+    extra = m.cascade.adopt("disk", ks(0, 1, 2))
     assert len(extra) == 1 and m.usage()["disk"] == (2, 2)
     assert m.lookup(ks(0, 1)) == 2
 
@@ -798,7 +798,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def events_match_model(self) -> None:
-        got = [(e.kind, sorted(e.keys)) for e in self.m.take_events()]
+        got = [(e.kind, sorted(e.keys)) for e in self.m.events.take()]
         assert all(e_keys for _, e_keys in got), "an event without keys"
         assert got == self.events
         self.events = []
@@ -832,10 +832,10 @@ TestManagerMachineARC.settings = _MACHINE_SETTINGS
 def test_discard_unpinned_is_a_miss_and_frees_its_slot(policy: str) -> None:
     m = manager(policy, 2)
     store(m, ks(0, 1))
-    m.take_events()
+    m.events.take()
     assert m.discard(ks(1)) == 1
     assert m.lookup(ks(0, 1)) == 1 and used(m) == 1
-    assert m.take_events() == [ChunkEvent(EventKind.REMOVED, HOST, (key(1),))]
+    assert m.events.take() == [ChunkEvent(EventKind.REMOVED, HOST, (key(1),))]
     assert m.discard(ks(1, 7)) == 0  # already gone, never stored: nothing to drop
 
 
@@ -871,7 +871,7 @@ def test_direct_tier_loads_without_a_host_staging_slot(policy: str) -> None:
     store(m, ks(5))
     m.prepare_load(ks(5))  # the only host slot is pinned: nothing could be staged now
     place_in_lower_tier(m, "disk", key(2))
-    m.learn("peer_direct", ks(0, 1))
+    m.cascade.learn("peer_direct", ks(0, 1))
     assert m.lookup(ks(0, 1, 2)) == 3
     plan = m.prepare_load(ks(0, 1, 2))
     assert plan.keys == tuple(ks(0, 1))  # the disk chunk needs a staging slot: none free, the plan stops
@@ -882,5 +882,5 @@ def test_direct_tier_loads_without_a_host_staging_slot(policy: str) -> None:
     m.complete_load(ks(0, 1))
     assert m.state_of(key(0), "peer_direct")[2] == 0  # type: ignore[index]
     assert m.state_of(key(0), HOST) is None  # nothing promoted: it was never in host memory
-    m.forget("peer_direct", ks(0, 1))
+    m.cascade.forget("peer_direct", ks(0, 1))
     assert m.lookup(ks(0)) == 0

@@ -68,8 +68,8 @@ def test_direct_hand_off_loads_into_blocks_and_keep_received_decides_the_store(k
     (load,) = meta.loads
     assert [seg.slot for seg in load.segments] == [-1, -1, -1, -1]  # no host staging slot
     assert [seg.block_ids for seg in load.segments] == [(20,), (21,), (22,), (23,)]
-    assert meta.staging[load.job_id] == (PEER_TIER,) * 4
-    assert [meta.peer_sources[k].blocks for k in load.keys] == [(7,), (8,), (9,), (10,)]
+    assert load.staging() == (PEER_TIER,) * 4
+    assert [load.reader_sources()[k].blocks for k in load.keys] == [(7,), (8,), (9,), (10,)]
     # the loaded chunks are offered to the host tier (a copy out of the blocks) only when kept
     assert [len(s.keys) for s in meta.stores] == ([4] if keep_received else [])
 
@@ -77,9 +77,11 @@ def test_direct_hand_off_loads_into_blocks_and_keep_received_decides_the_store(k
 def test_the_workers_peer_transfers_reach_the_transfer_metrics() -> None:
     """What NixlPeerTier timed (READ to tags checked) is exported per path, beside the load jobs."""
     from tiercache.connector.metadata import TierCacheWorkerMetadata
+    from tiercache.connector.pd.step import PDWorkerReport
 
     sched = consumer(keep_received=False)
-    report = TierCacheWorkerMetadata(transfers=[("peer_device_to_device", 4096, 0.002), ("peer_device_to_device", 8192, 0.003)])
+    report = TierCacheWorkerMetadata(pd=PDWorkerReport(transfers=[("peer_device_to_device", 4096, 0.002),
+                                                                  ("peer_device_to_device", 8192, 0.003)]))
     sched.update_connector_output(report)
     registry = sched.metrics.registry
     labels = {"engine": "0", "path": "peer_device_to_device"}
@@ -94,8 +96,8 @@ def test_a_via_host_hand_off_is_read_into_the_blocks_too() -> None:
     _req, meta = load_then_step(sched, mode="via_host")
     (load,) = meta.loads
     assert [seg.slot for seg in load.segments] == [-1, -1, -1, -1]
-    assert meta.staging[load.job_id] == (PEER_TIER,) * 4
-    assert [(meta.peer_sources[k].slot, meta.peer_sources[k].blocks) for k in load.keys] == [
+    assert load.staging() == (PEER_TIER,) * 4
+    assert [(load.reader_sources()[k].slot, load.reader_sources()[k].blocks) for k in load.keys] == [
         (7, ()), (8, ()), (9, ()), (10, ())]
     assert meta.stores == []
 

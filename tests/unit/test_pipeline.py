@@ -14,13 +14,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tiercache.jobs import DemoteJob
+from tiercache.testing.job_builders import make_job
 from tiercache.backend import BackendContext, JobResult
 from tiercache.backends.disk.backend import DiskBackend, DiskSettings
 from tiercache.transfer.device import CopySegment
 from tiercache.layout import KVBlockLayout
-from tiercache.transfer.pipeline import DemoteJobSpec, WorkerPipeline
+from tiercache.transfer.pipeline import WorkerPipeline
 from tiercache.tiers.tier_io import TierIO
-from tiercache.transfer.engine import TransferEngine, TransferJobSpec
+from tiercache.transfer.engine import TransferEngine
 
 NUM_BLOCKS = 16
 BPC = 2
@@ -56,15 +58,15 @@ def test_store_demote_then_staged_load_restores_bytes(setup) -> None:  # type: i
     pipe, kvs, disk = setup
     src_ids = [3, 4]
     expected = blocks(kvs, src_ids)
-    pipe.submit(TransferJobSpec(1, "r", "store", (key(1),), (CopySegment(0, 0, tuple(src_ids)),)))
+    pipe.submit(make_job(1, "r", "store", (key(1),), (CopySegment(0, 0, tuple(src_ids)),)))
     assert pipe.wait_for([1])[0].ok
-    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1),), (0,)))
+    pipe.submit_demote(DemoteJob(2, "disk", (key(1),), (0,)))
     (demoted,) = pipe.wait_for([2])
     assert demoted.ok and demoted.ok_keys == (key(1),)
     pipe.engine.host.slab.zero_()  # the host copy is gone: only disk has it now
     for t in kvs.values():
         t[[9, 10]] = 0
-    pipe.submit(TransferJobSpec(3, "r", "load", (key(1),), (CopySegment(2, 0, (9, 10)),)), ("disk",))
+    pipe.submit(make_job(3, "r", "load", (key(1),), (CopySegment(2, 0, (9, 10)),), ("disk",)))
     (loaded,) = pipe.wait_for([3])
     assert loaded.ok
     for got, want in zip(blocks(kvs, [9, 10]), expected):
@@ -73,12 +75,12 @@ def test_store_demote_then_staged_load_restores_bytes(setup) -> None:  # type: i
 
 def test_failed_staged_read_is_left_out_and_reported(setup) -> None:  # type: ignore[no-untyped-def]
     pipe, kvs, disk = setup
-    pipe.submit(TransferJobSpec(1, "r", "store", (key(1), key(2)), (CopySegment(0, 0, (1, 2)), CopySegment(1, 0, (5, 6)))))
+    pipe.submit(make_job(1, "r", "store", (key(1), key(2)), (CopySegment(0, 0, (1, 2)), CopySegment(1, 0, (5, 6)))))
     pipe.wait_for([1])
-    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1), key(2)), (0, 1)))
+    pipe.submit_demote(DemoteJob(2, "disk", (key(1), key(2)), (0, 1)))
     pipe.wait_for([2])
     before = blocks(kvs, [12, 13])
-    pipe.submit(TransferJobSpec(3, "r", "load", (key(1), key(9)), (CopySegment(2, 0, (11,)), CopySegment(3, 0, (12, 13)))), ("disk", "disk"))
+    pipe.submit(make_job(3, "r", "load", (key(1), key(9)), (CopySegment(2, 0, (11,)), CopySegment(3, 0, (12, 13))), ("disk", "disk")))
     (res,) = pipe.wait_for([3])
     assert res.ok_keys == (key(1),) and res.failed_keys == (key(9),)  # key 9 was never stored
     for got, want in zip(blocks(kvs, [12, 13]), before):
@@ -87,9 +89,9 @@ def test_failed_staged_read_is_left_out_and_reported(setup) -> None:  # type: ig
 
 def test_delete_removes_from_the_tier(setup) -> None:  # type: ignore[no-untyped-def]
     pipe, kvs, disk = setup
-    pipe.submit(TransferJobSpec(1, "r", "store", (key(1),), (CopySegment(0, 0, (1, 2)),)))
+    pipe.submit(make_job(1, "r", "store", (key(1),), (CopySegment(0, 0, (1, 2)),)))
     pipe.wait_for([1])
-    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1),), (0,)))
+    pipe.submit_demote(DemoteJob(2, "disk", (key(1),), (0,)))
     pipe.wait_for([2])
     assert list(disk.recover()) == [key(1)]
     pipe.delete({"disk": [key(1)]})  # on the tier's housekeeping lane, off this thread
@@ -101,8 +103,8 @@ def test_without_lower_tiers_staged_jobs_fail_cleanly(tmp_path: pathlib.Path) ->
     kvs = {"l": torch.zeros(NUM_BLOCKS, 2, 32, 2, 16)}
     engine = TransferEngine(KVBlockLayout.from_kv_caches(kvs, NUM_BLOCKS), BPC, SLOTS)
     pipe = WorkerPipeline(engine)
-    pipe.submit(TransferJobSpec(1, "r", "load", (key(1),), (CopySegment(0, 0, (1,)),)), ("disk",))
-    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1),), (0,)))
+    pipe.submit(make_job(1, "r", "load", (key(1),), (CopySegment(0, 0, (1,)),), ("disk",)))
+    pipe.submit_demote(DemoteJob(2, "disk", (key(1),), (0,)))
     results = {r.job_id: r for r in pipe.wait_for([1, 2])}
     assert results[1].failed_keys == (key(1),) and results[2].failed_keys == (key(1),)
     pipe.shutdown()
@@ -118,9 +120,9 @@ class CopyingBlockReader:
         self.kvs, self.source = kvs, source
         self.done: list = []
 
-    def submit_blocks(self, job_id, keys, segments) -> None:  # type: ignore[no-untyped-def]
+    def read_chunks(self, job_id, chunks) -> None:  # type: ignore[no-untyped-def]
         ok, failed, moved = [], [], 0
-        for k, seg in zip(keys, segments):
+        for k, seg in ((c.key, c.segment()) for c in chunks):
             if k not in self.source:
                 failed.append(k)
                 continue
@@ -141,12 +143,13 @@ def test_direct_chunks_load_beside_host_chunks_in_one_job(setup) -> None:  # typ
     remote = [torch.randn(BPC, 2, 32, 2, 16, generator=gen) for _ in kvs]
     pipe.block_readers["peer_direct"] = CopyingBlockReader(kvs, {key(7): remote})
     expected_host = blocks(kvs, [1, 2])
-    pipe.submit(TransferJobSpec(1, "r", "store", (key(1),), (CopySegment(0, 0, (1, 2)),)))
+    pipe.submit(make_job(1, "r", "store", (key(1),), (CopySegment(0, 0, (1, 2)),)))
     assert pipe.wait_for([1])[0].ok
     before_failed = blocks(kvs, [14, 15])
-    spec = TransferJobSpec(2, "r", "load", (key(1), key(7), key(8)),
-                           (CopySegment(0, 0, (9, 10)), CopySegment(-1, 0, (11, 12)), CopySegment(-1, 0, (14, 15))))
-    pipe.submit(spec, (None, "peer_direct", "peer_direct"))
+    spec = make_job(2, "r", "load", (key(1), key(7), key(8)),
+                    (CopySegment(0, 0, (9, 10)), CopySegment(-1, 0, (11, 12)), CopySegment(-1, 0, (14, 15))),
+                    (None, "peer_direct", "peer_direct"))
+    pipe.submit(spec)
     (res,) = pipe.wait_for([2])
     assert set(res.ok_keys) == {key(1), key(7)} and res.failed_keys == (key(8),)
     for got, want in zip(blocks(kvs, [9, 10]), expected_host):
@@ -162,6 +165,6 @@ def test_a_job_of_direct_chunks_only_never_touches_the_host_tier(setup) -> None:
     pipe, kvs, _disk = setup
     remote = [torch.full((BPC, 2, 32, 2, 16), 3.0) for _ in kvs]
     pipe.block_readers["peer_direct"] = CopyingBlockReader(kvs, {key(4): remote})
-    pipe.submit(TransferJobSpec(3, "r", "load", (key(4),), (CopySegment(-1, 1, (6,)),)), ("peer_direct",))
+    pipe.submit(make_job(3, "r", "load", (key(4),), (CopySegment(-1, 1, (6,)),), ("peer_direct",)))
     (res,) = pipe.wait_for([3])
     assert res.ok_keys == (key(4),) and all(torch.equal(t[6], r[1]) for t, r in zip(kvs.values(), remote))

@@ -172,9 +172,9 @@ def test_consumer_loads_the_tail_and_leaves_only_the_last_token(mode: str) -> No
     (load,) = meta.loads
     assert [s.block_ids for s in load.segments] == [(20, 21), (22, 23), (24, 25)]
     assert load.keys[-1] == Handoff.from_params(params).tail_key  # type: ignore[union-attr]
-    assert set(meta.peer_sources) == set(load.keys)
+    assert set(load.reader_sources()) == set(load.keys)
     if mode == "direct":
-        assert meta.peer_sources[load.keys[-1]].blocks == (8, 9)
+        assert load.reader_sources()[load.keys[-1]].blocks == (8, 9)
 
 
 def test_consumer_whose_tail_differs_loads_the_chunks_and_computes_the_tail() -> None:

@@ -5,19 +5,20 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from tiercache.transfer.host_slab import HostTier
+from tiercache.testing.memory_backend import MemoryBackend
 from tiercache.tiers.shared_lookup import SharedLookup
+from tiercache.transfer.host_slab import HostSlab
 
 
 def k(i: int) -> bytes:
     return bytes([i]) * 44
 
 
-class SlowTier(HostTier):
-    """A host tier that answers lookups late (a slow or hung shared store)."""
+class SlowTier(MemoryBackend):
+    """An in-memory tier that answers lookups late (a slow or hung shared store)."""
 
     def __init__(self, delay_s: float) -> None:
-        super().__init__(4, 64, pin_memory=False)
+        super().__init__(HostSlab(4, 64, pin_memory=False))
         self.delay_s = delay_s
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -25,7 +26,7 @@ class SlowTier(HostTier):
         return super().contains(keys)
 
 
-class BrokenTier(HostTier):
+class BrokenTier(MemoryBackend):
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         raise ConnectionError("store is down")
 
@@ -41,7 +42,7 @@ def wait_answer(lookup: SharedLookup, token: str) -> dict[str, list[bytes]]:
 
 
 def test_answers_the_held_prefix_per_tier() -> None:
-    a, b = HostTier(4, 64, pin_memory=False), HostTier(4, 64, pin_memory=False)
+    a, b = MemoryBackend(HostSlab(4, 64, pin_memory=False)), MemoryBackend(HostSlab(4, 64, pin_memory=False))
     a.submit_put(1, [k(0), k(1), k(3)], [memoryview(bytearray(8))] * 3)
     b.submit_put(1, [k(0)], [memoryview(bytearray(8))])
     lookup = SharedLookup({"a": a, "b": b})
@@ -62,7 +63,7 @@ def test_slow_tier_is_not_waited_for_and_times_out_as_a_miss() -> None:
 
 
 def test_failing_tier_is_a_miss_and_forget_drops_the_question() -> None:
-    lookup = SharedLookup({"down": BrokenTier(4, 64, pin_memory=False)})
+    lookup = SharedLookup({"down": BrokenTier(HostSlab(4, 64, pin_memory=False))})
     lookup.ask("r", [k(0)])
     assert wait_answer(lookup, "r") == {}
     lookup.ask("r2", [k(0)])

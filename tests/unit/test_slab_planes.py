@@ -20,14 +20,16 @@ import numpy as np
 import pytest
 import torch
 
+from tiercache.jobs import DemoteJob, TransferJob
+from tiercache.testing.job_builders import make_job
 from tiercache.backend import BackendContext
 from tiercache.backends.disk.backend import DiskBackend, DiskSettings
 from tiercache.transfer.device import CopyJob, CopySegment, copy_plane_segments
 from tiercache.layout import KVBlockLayout, gather_slot, region_offsets, scatter_slot, slab_planes
 from tiercache.pd.blocks import BlockRegions, plane_descs
-from tiercache.transfer.pipeline import DemoteJobSpec, WorkerPipeline
+from tiercache.transfer.pipeline import WorkerPipeline
 from tiercache.tiers.tier_io import TierIO
-from tiercache.transfer.engine import TransferEngine, TransferJobSpec
+from tiercache.transfer.engine import TransferEngine
 
 NUM_BLOCKS = 32
 BPC = 2
@@ -56,7 +58,7 @@ def engines(request: pytest.FixtureRequest) -> Iterator[tuple[dict[str, torch.Te
     in_planes.shutdown()
 
 
-def run(engine: TransferEngine, job: TransferJobSpec) -> None:
+def run(engine: TransferEngine, job: TransferJob) -> None:
     engine.submit(job)
     (res,) = engine.wait_all()
     assert res.ok and res.job_id == job.job_id
@@ -116,7 +118,7 @@ def test_store_holds_what_a_slots_slab_holds(engines, seed: int) -> None:  # typ
     slots = rng.sample(range(SLOTS), 5) if seed % 2 else [2, 3, 4, 5, 6]  # consecutive slots: runs across chunks
     segs = random_segments(rng, slots) if seed else tuple(
         CopySegment(s, 0, (10 + 2 * i, 11 + 2 * i)) for i, s in enumerate(slots))
-    job = TransferJobSpec(1, "r", "store", tuple(key(i) for i in range(len(segs))), segs)
+    job = make_job(1, "r", "store", tuple(key(i) for i in range(len(segs))), segs)
     run(by_slots, job)
     run(in_planes, job)
     assert in_planes.planes is not None
@@ -132,15 +134,15 @@ def test_store_holds_what_a_slots_slab_holds(engines, seed: int) -> None:  # typ
 def test_load_restores_the_blocks(engines) -> None:  # type: ignore[no-untyped-def]
     kvs, _by_slots, in_planes = engines
     want = {name: t[:, 4:8].clone() for name, t in kvs.items()}
-    run(in_planes, TransferJobSpec(1, "r", "store", (key(1), key(2)),
+    run(in_planes, make_job(1, "r", "store", (key(1), key(2)),
                                       (CopySegment(6, 0, (4, 5)), CopySegment(7, 0, (6, 7)))))
     for t in kvs.values():
         t[:, 4:8] = 0
-    run(in_planes, TransferJobSpec(2, "r", "load", (key(1), key(2)),
+    run(in_planes, make_job(2, "r", "load", (key(1), key(2)),
                                       (CopySegment(6, 0, (4, 5)), CopySegment(7, 0, (6, 7)))))
     assert all(torch.equal(kvs[name][:, 4:8], w) for name, w in want.items())
     # into other blocks, out of order, and a partial chunk
-    run(in_planes, TransferJobSpec(3, "r", "load", (key(1), key(2)),
+    run(in_planes, make_job(3, "r", "load", (key(1), key(2)),
                                       (CopySegment(6, 0, (20, 12)), CopySegment(7, 1, (30,)))))
     for name, t in kvs.items():
         assert torch.equal(t[:, 20], want[name][:, 0]) and torch.equal(t[:, 12], want[name][:, 1])
@@ -183,10 +185,10 @@ def disk_pipe(tmp_path: pathlib.Path) -> Iterator[tuple[WorkerPipeline, dict[str
 def test_demotion_writes_the_usual_chunk_format_and_a_staged_load_brings_it_back(disk_pipe) -> None:  # type: ignore[no-untyped-def]
     pipe, kvs, disk, by_slots = disk_pipe
     want = {name: t[:, 3:5].clone() for name, t in kvs.items()}
-    store = TransferJobSpec(1, "r", "store", (key(1),), (CopySegment(4, 0, (3, 4)),))
+    store = make_job(1, "r", "store", (key(1),), (CopySegment(4, 0, (3, 4)),))
     pipe.submit(store)
     assert pipe.wait_for([1])[0].ok
-    pipe.submit_demote(DemoteJobSpec(2, "disk", (key(1),), (4,)))
+    pipe.submit_demote(DemoteJob(2, "disk", (key(1),), (4,)))
     assert pipe.wait_for([2])[0].ok_keys == (key(1),)
     # what the disk holds is what a slots engine would have demoted: read it into a plain buffer
     run(by_slots, store)
@@ -197,8 +199,8 @@ def test_demotion_writes_the_usual_chunk_format_and_a_staged_load_brings_it_back
     pipe.engine.host.slab.zero_()  # the host copy is gone: only disk has it now
     for t in kvs.values():
         t[:, 3:5] = 0
-    pipe.submit(TransferJobSpec(3, "r", "load", (key(1), key(2)),
-                                (CopySegment(1, 0, (10, 11)), CopySegment(2, 0, (12, 13)))), ("disk", "disk"))
+    pipe.submit(make_job(3, "r", "load", (key(1), key(2)),
+                         (CopySegment(1, 0, (10, 11)), CopySegment(2, 0, (12, 13))), ("disk", "disk")))
     (res,) = pipe.wait_for([3])
     assert res.ok_keys == (key(1),) and res.failed_keys == (key(2),)  # key 2 was never stored
     for name, t in kvs.items():
@@ -243,7 +245,8 @@ def test_the_worker_lays_out_a_via_host_producers_slab_in_planes(
     tiers = [{"name": "cpu", "backend": "cpu", "capacity": "64MiB", **({"options": {"layout": layout}} if layout else {})}]
     config = load_config(tiers=tiers, **({"pd": pd} if pd is not None else {}))
     worker = TierCacheWorker(config, geometry=None, num_blocks=NUM_BLOCKS, kv_role=role)  # type: ignore[arg-type]
-    assert worker._slot_layout() == want
+    host = config.host_options
+    assert worker.pd.host_slab(host.prefault, host.layout).layout == want
 
 
 def test_an_unknown_slab_layout_is_refused_naming_the_choices() -> None:

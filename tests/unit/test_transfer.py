@@ -12,14 +12,16 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiercache.transfer.host_slab import HostTier
+from tiercache.jobs import TransferJob
+from tiercache.testing.job_builders import make_job
+from tiercache.transfer.host_slab import HostSlab
 
 from tiercache.backend import JobResult
 from tiercache.config.schema import FaultConfig
 from tiercache.transfer.device import CopySegment, Direction
 from tiercache.transfer.host_copier import HostThreadCopier
 from tiercache.layout import KVBlockLayout
-from tiercache.transfer.engine import TransferEngine, TransferJobSpec
+from tiercache.transfer.engine import TransferEngine
 
 NUM_BLOCKS = 32
 BPC = 2
@@ -35,11 +37,11 @@ def block(kvs: dict[str, torch.Tensor], block_id: int) -> list[torch.Tensor]:
     return [t[:, block_id].clone() for t in kvs.values()]
 
 
-def spec(job_id: int, direction: Direction, chunks: dict[int, tuple[int, ...]]) -> TransferJobSpec:
+def spec(job_id: int, direction: Direction, chunks: dict[int, tuple[int, ...]]) -> TransferJob:
     """A job moving chunk ``slot -> block ids`` for each item; keys are b'k<slot>'."""
     keys = tuple(b"k%d" % slot for slot in chunks)
     segs = tuple(CopySegment(slot, 0, ids) for slot, ids in chunks.items())
-    return TransferJobSpec(job_id, f"req-{job_id}", direction, keys, segs)
+    return make_job(job_id, f"req-{job_id}", direction, keys, segs)
 
 
 @pytest.fixture
@@ -149,13 +151,13 @@ def test_failed_copy_fails_every_key_of_the_job(layout: KVBlockLayout, engines: 
 
 
 def test_slot_size_mismatch_raises(layout: KVBlockLayout) -> None:
-    host = HostTier(SLOTS, layout.slot_bytes(BPC) + 64, pin_memory=False)
+    host = HostSlab(SLOTS, layout.slot_bytes(BPC) + 64, pin_memory=False)
     with pytest.raises(ValueError, match="slot"):
         TransferEngine(layout, BPC, SLOTS, host=host)
 
 
 def test_given_host_tier_is_used(layout: KVBlockLayout, engines: list) -> None:
-    host = HostTier(3, layout.slot_bytes(BPC), pin_memory=False)
+    host = HostSlab(3, layout.slot_bytes(BPC), pin_memory=False)
     host.slab.zero_()  # the slab is allocated, not initialised
     engine = TransferEngine(layout, BPC, 3, host=host, copy_threads=1)
     engines.append(engine)

@@ -7,13 +7,13 @@ import re
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from tiercache.config import schema as engine_config
 from tiercache.server.config import load_server_config
 from tiercache.config.yaml_file import (
     ConfigError,
-    YamlFileSource,
+    YamlBackedSettings,
     describe_validation_error,
     load_settings,
     read_yaml,
@@ -26,7 +26,7 @@ class Inner(BaseModel):
     port: int = Field(default=1, ge=0, le=65535)
 
 
-class Demo(BaseSettings):
+class Demo(YamlBackedSettings):
     model_config = SettingsConfigDict(
         env_prefix="TC_YAMLTEST_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
@@ -43,16 +43,6 @@ class Demo(BaseSettings):
             raise ValueError(f"low: {self.low} is above high {self.high}")
         return self
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, YamlFileSource(settings_cls))
 
 
 def write(tmp_path: pathlib.Path, text: str) -> pathlib.Path:

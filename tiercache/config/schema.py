@@ -18,17 +18,18 @@ chunk size must be a multiple of the engine block size) are made by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from tiercache.config.sizes import parse_size
 
 # ConfigError is defined in yaml_config (shared with the server's config); callers import it here.
 from tiercache.config.yaml_file import ConfigError, load_settings
-from tiercache.config.yaml_file import YamlFileSource as _YamlSource
+from tiercache.config.yaml_file import YamlBackedSettings
 
 ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 PolicyName = Literal["lru", "arc"]
@@ -60,6 +61,24 @@ class TierConfig(_Frozen):
     options: dict[str, Any] = Field(
         default_factory=dict, description="Backend-specific settings, validated by the backend."
     )
+
+
+HOST_BACKEND = "cpu"  # the host tier: the core's own slab, first in every chain, never a plugin
+
+
+def check_host_first(tiers: Sequence[TierConfig], host_is: str) -> None:
+    """ValueError unless tier 0 is the host tier and no other tier is (``host_is`` says what it is)."""
+    if tiers[0].backend != HOST_BACKEND:
+        raise ValueError(
+            f"tiers.0.backend: the first tier is {host_is} and must be {HOST_BACKEND!r}, got {tiers[0].backend!r}"
+        )
+    for index, tier in enumerate(tiers[1:], start=1):
+        if tier.backend == HOST_BACKEND:
+            raise ValueError(
+                f"tiers.{index}.backend: {HOST_BACKEND!r} is the host tier (tiercache's own memory, not a "
+                f"backend plugin) and can only be the first tier; a lower tier names a backend plugin "
+                f"such as 'disk' (and {HOST_BACKEND!r} is the default when backend is not given)"
+            )
 
 
 class HostTierOptions(_Frozen):
@@ -192,7 +211,7 @@ class PDConfig(_Frozen):
     )
 
 
-class TierCacheConfig(BaseSettings):
+class TierCacheConfig(YamlBackedSettings):
     """The whole tiercache configuration (frozen once built)."""
 
     model_config = SettingsConfigDict(
@@ -252,11 +271,7 @@ class TierCacheConfig(BaseSettings):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"tiers: duplicate tier names {dupes}")
-        if self.tiers[0].backend != "cpu":
-            raise ValueError(
-                f"tiers.0.backend: the first tier is the host staging tier and must be "
-                f"'cpu', got {self.tiers[0].backend!r}"
-            )
+        check_host_first(self.tiers, "the host staging tier")
         try:
             HostTierOptions(**self.tiers[0].options)
         except ValidationError as exc:
@@ -264,16 +279,6 @@ class TierCacheConfig(BaseSettings):
             raise ValueError(f"tiers.0.options (host tier): {wrong} (allowed: prefault)") from None
         return self
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _YamlSource(settings_cls))
 
     def check_engine(self, block_size: int) -> None:
         """Raise ConfigError if this config cannot run with the engine's block size."""

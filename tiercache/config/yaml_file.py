@@ -74,6 +74,25 @@ class YamlFileSource(PydanticBaseSettingsSource):
         return read_yaml(path) if path is not None else {}
 
 
+class YamlBackedSettings(BaseSettings):
+    """Settings read from, in order: constructor keywords, the environment, the YAML file being loaded.
+
+    Subclass it instead of ``BaseSettings`` (with its own ``model_config``): the
+    YAML file is the one :func:`load_settings` was given.
+    """
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, YamlFileSource(settings_cls))
+
+
 def describe_validation_error(
     exc: ValidationError, title: str, path: Path | None, *, show_input: bool = True
 ) -> str:

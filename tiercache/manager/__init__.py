@@ -1,7 +1,9 @@
 """Management, scheduler side: which chunk lives in which tier, and what to move. Never moves bytes.
 
-Owns: :mod:`.offloading` (the OffloadingManager, the scheduler's one entry point), :mod:`.directory`
-(per-tier chunk maps and budgets), :mod:`.cascade` (demotions and promotions between tiers),
-:mod:`.plans` (the load/store/demote plans it hands out), :mod:`.policies` (eviction: LRU, ARC).
+Owns: :mod:`.offloading` (the OffloadingManager, the scheduler's one entry point, composed of
+the parts below and reaching them by name), :mod:`.directory` (per-tier chunk maps and budgets),
+:mod:`.holds` (every pin, hold/release paired), :mod:`.cascade` (demotions and what lower tiers
+hold), :mod:`.deletes` (what lower tiers' backends must delete), :mod:`.plans` (the
+load/store/demote plans it hands out), :mod:`.policies` (eviction: LRU, ARC).
 May import: tiercache.keys, tiercache.events, tiercache.config. Not transfer/, tiers/, pd/, nor any backend.
 """

@@ -1,31 +1,64 @@
-"""Lower-tier flows of the OffloadingManager: demotion, recovery, shared-tier knowledge, deletes.
+"""The cascade: what moves chunks between the host tier and the tiers below it.
 
-A mixin of :class:`tiercache.manager.offloading.OffloadingManager`, kept apart so each file
-holds one concern: manager.py the per-request flows (lookup, load, store),
-this file what moves chunks between the host tier and the tiers below it.
-Same contract: scheduler thread only, no locks, no bytes touched.
+A part of :class:`tiercache.manager.offloading.OffloadingManager` (reached as
+``manager.cascade``), kept apart so each file holds one concern: offloading.py
+the per-request flows (lookup, load, store), this file demotion (write-through
+and write-back copies down), adopting a persistent tier's chunks after a
+restart, and what a shared tier was learnt to hold (or forgotten).
+It works on the tiers' directories it is given, pins through the shared
+:class:`Holds`, and records events and deletes in the shared logs.
+Same contract as the manager: scheduler thread only, no locks, no bytes touched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
 
+from tiercache.events import EventKind, EventLog
+from tiercache.manager.deletes import DeleteQueue
 from tiercache.manager.directory import TierDirectory
-from tiercache.events import ChunkEvent, EventKind
+from tiercache.manager.holds import Holds
 from tiercache.manager.plans import DemotePlan
 
-if TYPE_CHECKING:
-    from tiercache.manager.offloading import OffloadingManager
 
-    _Base = OffloadingManager
-else:
-    _Base = object
+class Cascade:
+    """Demotion (write-through/write-back), adopt after restart, learn/forget (shared tiers)."""
 
+    def __init__(
+        self, tiers: Sequence[TierDirectory], holds: Holds, events: EventLog, deletes: DeleteQueue
+    ) -> None:
+        """``tiers``: every tier, host first (the same directories the manager holds)."""
+        self.host = tiers[0]
+        self.lower = list(tiers[1:])
+        self._by_name = {t.name: t for t in tiers}
+        self._holds = holds
+        self._events = events
+        self._deletes = deletes
+        self._write_through = [t for t in self.lower if t.spec.mode == "write_through"]
+        # per write-through tier: host keys waiting to be copied down, pinned meanwhile
+        self._demote_queue: dict[str, dict[bytes, None]] = {t.name: {} for t in self._write_through}
+        self.write_back_watermark = 0.9
 
-class LowerTierFlows(_Base):
-    """Demotion (write-through/write-back), adopt after restart, learn (shared), deletes."""
+    # ------------------------------------------------------------ write-through queue
+    def queue_stored(self, keys: Sequence[bytes]) -> None:
+        """Queue chunks the host tier just stored for every write-through tier.
 
+        Each queued host copy is pinned until copied down (or given up): the
+        host tier must not evict a chunk before its write-through copy exists.
+        """
+        for tier in self._write_through:
+            queue = self._demote_queue[tier.name]
+            fresh = [key for key in keys if key not in queue]
+            queue.update(dict.fromkeys(fresh))
+            self._holds.hold(self.host, fresh)
+
+    def drop_queued(self) -> None:
+        """Give up every pending write-through copy (a reset); their host pins are released."""
+        for queue in self._demote_queue.values():
+            self._holds.release(list(queue))
+            queue.clear()
+
+    # ---------------------------------------------------------------------- demotion
     def prepare_demotions(self, max_keys: int = 256) -> list[DemotePlan]:
         """Plan copies of host chunks down into the lower tiers; called once per step.
 
@@ -41,25 +74,20 @@ class LowerTierFlows(_Base):
             if tier.spec.mode == "read_only":
                 continue
             if tier.spec.mode == "write_through":
-                candidates = self._take_demote_queue(tier, max_keys)
+                candidates = self._take_demote_queue(tier, max_keys)  # pinned when queued
             else:
                 candidates = self._write_back_candidates(tier, max_keys)
+                self._holds.hold(host, candidates)
             if not candidates:
                 continue
-            if tier.spec.mode != "write_through":  # queued write-through keys are pinned already
-                pins = host.pins
-                for key in candidates:
-                    pins[key] = pins.get(key, 0) + 1
             shortfall = len(candidates) - len(tier.free_slots)
             if shortfall > 0:
                 evicted = tier.evict(shortfall)
-                if evicted:
-                    self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(evicted)))
-                    if not tier.spec.shared:
-                        self._deletes[tier.name].extend(evicted)
+                self._events.add(EventKind.REMOVED, tier.name, evicted)
+                self._deletes.add(tier.name, evicted)
                 fit = min(len(candidates), len(tier.free_slots))
                 tier.stats.store_refused += len(candidates) - fit
-                self.complete_load(candidates[fit:])  # given up: release their host pins
+                self._holds.release(candidates[fit:])  # given up
                 candidates = candidates[:fit]
             if not candidates:
                 continue
@@ -81,8 +109,7 @@ class LowerTierFlows(_Base):
                 out.append(key)
             else:
                 dropped.append(key)
-        if dropped:
-            self.complete_load(dropped)  # release the pins taken when they were queued
+        self._holds.release(dropped)  # the pins taken when they were queued
         return out
 
     def _write_back_candidates(self, tier: TierDirectory, max_keys: int) -> list[bytes]:
@@ -102,7 +129,7 @@ class LowerTierFlows(_Base):
     ) -> None:
         """Finish a demotion: unpin the host copies; the lower copies become READY (or vanish)."""
         tier = self._by_name[tier_name]
-        self.complete_load(keys)  # releases the host pins taken by prepare_demotions
+        self._holds.release(keys)  # the host pins taken by prepare_demotions
         stored: list[bytes] = []
         for key in keys:
             slot = tier.storing.pop(key, None)
@@ -117,15 +144,16 @@ class LowerTierFlows(_Base):
         if stored:
             tier.policy.insert_many(stored[::-1])
             tier.stats.stored_chunks += len(stored)
-            self._events.append(ChunkEvent(EventKind.STORED, tier.name, tuple(stored)))
+            self._events.add(EventKind.STORED, tier.name, stored)
 
+    # ------------------------------------------------- what a lower tier is known to hold
     def adopt(self, tier_name: str, keys: Sequence[bytes]) -> list[bytes]:
         """Register chunks a persistent tier still holds after a restart (``Backend.recover``).
 
         Returns the keys that did not fit the tier's budget; the caller deletes them.
         """
         tier = self._by_name[tier_name]
-        fresh = [k for k in dict.fromkeys(keys) if k not in tier.ready and k not in tier.storing]
+        fresh = self._unknown(tier, keys)
         fit = min(len(fresh), len(tier.free_slots))
         adopted, extra = fresh[:fit], fresh[fit:]
         tier.ready.update(zip(adopted, tier.take_slots(fit)))
@@ -138,7 +166,7 @@ class LowerTierFlows(_Base):
         The oldest knowledge is forgotten when the bound is reached; nothing is deleted.
         """
         tier = self._by_name[tier_name]
-        fresh = [k for k in dict.fromkeys(keys) if k not in tier.ready and k not in tier.storing]
+        fresh = self._unknown(tier, keys)
         shortfall = len(fresh) - len(tier.free_slots)
         if shortfall > 0:
             tier.evict(shortfall)
@@ -154,36 +182,7 @@ class LowerTierFlows(_Base):
                 tier.free_slots.append(tier.ready.pop(key))
                 tier.policy.remove(key)
 
-    def hold(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Pin the leading ``keys`` the host tier holds (READY or STORING) for a hand-off.
-
-        Stops at the first key the host tier lacks (a hand-off is a prefix).
-        Held chunks are never evicted; :meth:`complete_load` releases them.
-        """
-        host = self.host
-        held: list[bytes] = []
-        for key in keys:
-            if key not in host.ready and key not in host.storing:
-                break
-            host.pins[key] = host.pins.get(key, 0) + 1
-            held.append(key)
-        return held
-
-    def host_slots(self, keys: Sequence[bytes]) -> list[int]:
-        """The host slot of each key (READY or STORING); KeyError for a key it lacks.
-
-        A held key's slot is stable until the hold ends (P/D hand-off params name them).
-        """
-        host = self.host
-        return [host.ready[k] if k in host.ready else host.storing[k] for k in keys]
-
-    def shared_tiers(self) -> list[str]:
-        return [t.name for t in self.lower if t.spec.shared]
-
-    def take_deletes(self) -> dict[str, list[bytes]]:
-        """Keys each lower tier's backend must delete (drained)."""
-        out = {name: keys for name, keys in self._deletes.items() if keys}
-        for name in out:
-            self._deletes[name] = []
-        return out
-
+    @staticmethod
+    def _unknown(tier: TierDirectory, keys: Sequence[bytes]) -> list[bytes]:
+        """``keys`` (first occurrence of each) that ``tier`` neither holds nor is storing."""
+        return [k for k in dict.fromkeys(keys) if k not in tier.ready and k not in tier.storing]

@@ -1,14 +1,17 @@
 """One tier's directory: which keys it holds, in which state, at which slot, pinned how often.
 
-Used only by :class:`tiercache.manager.offloading.OffloadingManager` (scheduler thread);
-split out so the manager file holds the flows (lookup, load, store, demotion)
-and this one the per-tier bookkeeping they share.
+Used only by :class:`tiercache.manager.offloading.OffloadingManager` and its parts
+(scheduler thread); split out so the manager's files hold the flows (lookup, load,
+store in offloading.py, demotion in cascade.py) and this one the per-tier
+bookkeeping they share. Pin counts live here but change only through
+:class:`tiercache.manager.holds.Holds`.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
@@ -87,6 +90,14 @@ class TierDirectory:
     @property
     def used_slots(self) -> int:
         return self.spec.num_slots - len(self.free_slots)
+
+    def slots_of(self, keys: Sequence[bytes]) -> list[int]:
+        """The slot of each key (READY or STORING); KeyError for a key the tier lacks.
+
+        A held key's slot is stable until its hold is released (P/D hand-off params name them).
+        """
+        ready, storing = self.ready, self.storing
+        return [ready[k] if k in ready else storing[k] for k in keys]
 
     def take_slots(self, count: int) -> list[int]:
         """Hand out ``count`` free slots (lowest first on a fresh tier)."""

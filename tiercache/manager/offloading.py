@@ -5,6 +5,14 @@ state (STORING or READY), the slot address, the pin count and the eviction
 order; it never touches bytes (the worker-side TransferEngine does, following
 the plans made here).
 
+It is composed of parts, which callers name: ``manager.tiers`` (one
+:class:`TierDirectory` per tier, host first), ``manager.holds`` (every pin:
+:class:`~tiercache.manager.holds.Holds`), ``manager.cascade`` (demotion,
+adopt, learn/forget: :class:`~tiercache.manager.cascade.Cascade`),
+``manager.events`` and ``manager.deletes`` (the logs every part adds to, drained
+once per step). This file holds the per-request flows: lookup, load, store,
+discard, reset.
+
 Threading: every method is called from one thread (vLLM's scheduler loop).
 Nothing here locks.
 
@@ -15,10 +23,13 @@ Invariants, each tested in tests/unit/test_manager.py:
 * a failed store leaves no trace: the key is a miss and its slot is free again;
 * a full tier refuses stores (``prepare_store`` returns None), never raises;
 * a store never evicts a READY key of its own offer (the prefix it extends);
-* all in-flight loads of a key read (and pin) one tier, so ``complete_load``,
-  which only gets keys, always releases the pin its load took;
-* a discarded key (a failed load) is a miss at once; if a load still pins it,
-  its slot is freed only when the last such load completes.
+* ``complete_load`` only completes a load: its staged chunks are promoted (or
+  their staging slots freed) and its pins released; every other pin (a P/D
+  hand-off, a write-through or demotion copy) is released with ``holds.release``;
+* all in-flight loads of a key read (and pin) one tier, so a release, which only
+  gets keys, always releases the pin its load took;
+* a discarded key (a failed load) is a miss at once; if something still pins
+  it, its slot is freed only when the last pin is released.
 
 Recency follows prefixes: the keys of one request are marked used last-first,
 so the first chunk of a prefix is the most recent and a tier evicts chain tails
@@ -31,10 +42,13 @@ import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from tiercache.manager.cascade import LowerTierFlows
+from tiercache.events import EventKind, EventLog
+from tiercache.manager.cascade import Cascade
+from tiercache.manager.deletes import DeleteQueue
 from tiercache.manager.directory import ChunkState, TierDirectory, TierSpec, TierStats
-from tiercache.events import ChunkEvent, EventKind
-from tiercache.manager.plans import LoadPlan, StorePlan
+from tiercache.manager.holds import Holds
+from tiercache.jobs import ChunkSource, FromHost, FromReader, FromTier
+from tiercache.manager.plans import LoadPlan, StorePlan, host_sources
 
 __all__ = ["ChunkState", "ManagerStats", "OffloadingManager", "TierSpec", "TierStats"]
 
@@ -47,7 +61,7 @@ class ManagerStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
 
 
-class OffloadingManager(LowerTierFlows):
+class OffloadingManager:
     """Directory and policy of every tier; makes load and store plans."""
 
     def __init__(self, tiers: Sequence[TierSpec]) -> None:
@@ -59,20 +73,18 @@ class OffloadingManager(LowerTierFlows):
             raise ValueError("tier names must be unique")
         self.host = self.tiers[0]
         self.lower = self.tiers[1:]
-        self._events: list[ChunkEvent] = []
+        self.events = EventLog()
+        self.deletes = DeleteQueue(self.lower)
+        self.holds = Holds(self.tiers)
+        self.cascade = Cascade(self.tiers, self.holds, self.events, self.deletes)
         # key -> lower tier a staged load reads it from (host holds it STORING meanwhile)
         self._staged: dict[bytes, TierDirectory] = {}
-        # per lower tier: host keys waiting to be copied down (write-through)
-        self._demote_queue: dict[str, dict[bytes, None]] = {t.name: {} for t in self.lower}
-        # per lower tier: keys the backend must delete (evicted, discarded, reset)
-        self._deletes: dict[str, list[bytes]] = {t.name: [] for t in self.lower}
-        self.write_back_watermark = 0.9
         self._lookups = 0
         self._lookup_chunks = 0
         self._lookup_hits = 0
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, keys: Sequence[bytes], ctx: object = None) -> int | None:
+    def lookup(self, keys: Sequence[bytes]) -> int | None:
         """Length (in chunks) of the longest prefix of ``keys`` READY in some tier.
 
         Never None today: every tier is local. Shared tiers that answer
@@ -104,8 +116,8 @@ class OffloadingManager(LowerTierFlows):
     def _load_source(self, key: bytes) -> TierDirectory:
         """The tier a load of ``key`` reads: the one already pinned, else the first READY.
 
-        Reading every concurrent load of a key from one tier keeps
-        :meth:`complete_load` unambiguous: it unpins the tier holding the pins.
+        Reading every concurrent load of a key from one tier keeps a release by
+        key unambiguous: it unpins the tier holding the pins.
         """
         for tier in self.tiers:
             if key in tier.pins and key in tier.ready:
@@ -115,7 +127,7 @@ class OffloadingManager(LowerTierFlows):
                 return tier
         raise KeyError(f"prepare_load: chunk {key.hex()} is not ready in any tier")
 
-    def prepare_load(self, keys: Sequence[bytes], ctx: object = None) -> LoadPlan:
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         """Pin the source of every key and return where each one lives.
 
         Every key must be READY (callers pass a prefix that ``lookup`` just
@@ -133,8 +145,7 @@ class OffloadingManager(LowerTierFlows):
         staged_count = sum(1 for t in sources if t is not host and not t.spec.direct)
         if staged_count > len(host.free_slots):
             evicted = host.evict(staged_count - len(host.free_slots), set(keys))
-            if evicted:
-                self._events.append(ChunkEvent(EventKind.REMOVED, host.name, tuple(evicted)))
+            self.events.add(EventKind.REMOVED, host.name, evicted)
         budget = len(host.free_slots)
         count = len(keys)
         for i, tier in enumerate(sources):
@@ -144,32 +155,24 @@ class OffloadingManager(LowerTierFlows):
                     break
                 budget -= 1
         keys, sources = list(keys[:count]), sources[:count]
-        slots: list[int] = []
-        staged: list[bool] = []
+        planned: list[ChunkSource] = []
         for key, tier in zip(keys, sources):
             if tier is host:
-                slots.append(host.ready[key])
-                staged.append(False)
+                planned.append(FromHost(host.name, host.ready[key]))
             elif tier.spec.direct:
-                slots.append(-1)
-                staged.append(False)
+                planned.append(FromReader(tier.name))
             else:
                 (slot,) = host.take_slots(1)
                 host.storing[key] = slot
                 self._staged[key] = tier
-                slots.append(slot)
-                staged.append(True)
+                planned.append(FromTier(tier.name, slot))
+        hold = self.holds.hold
         for key, tier in zip(reversed(keys), reversed(sources)):
-            tier.pins[key] = tier.pins.get(key, 0) + 1
+            hold(tier, (key,))
             tier.policy.access(key)
             tier.stats.hit_chunks += 1
             tier.stats.loads += 1
-        return LoadPlan(
-            keys=tuple(keys),
-            tiers=tuple(t.name for t in sources),
-            slots=tuple(slots),
-            staged=tuple(staged),
-        )
+        return LoadPlan(tuple(keys), tuple(planned))
 
     def _prepare_load_host(self, keys: Sequence[bytes]) -> LoadPlan:
         tier = self.host
@@ -180,48 +183,27 @@ class OffloadingManager(LowerTierFlows):
             raise KeyError(
                 f"prepare_load: chunk {missing.args[0].hex()} is not ready in any tier"
             ) from None
-        pins = tier.pins
-        get = pins.get
-        for key in keys:
-            pins[key] = get(key, 0) + 1
+        self.holds.hold(tier, keys)
         tier.policy.access_many(keys[::-1])
         tier.stats.hit_chunks += len(keys)
         tier.stats.loads += len(keys)
-        return LoadPlan(keys=tuple(keys), tiers=(tier.name,) * len(keys), slots=slots)
+        return LoadPlan(tuple(keys), host_sources(tier.name, slots))
 
-    def complete_load(
-        self, keys: Sequence[bytes], ctx: object = None, failed: Collection[bytes] = ()
-    ) -> None:
-        """Release the pins taken by :meth:`prepare_load` (success or failure alike).
+    def complete_load(self, keys: Sequence[bytes], failed: Collection[bytes] = ()) -> None:
+        """Complete the load :meth:`prepare_load` planned for ``keys`` (success or failure alike).
 
         A staged chunk (read from a lower tier through a host slot) becomes READY
         in the host tier when its load succeeded; a failed one gives its staging
-        slot back. ``failed`` names the chunks whose load failed.
+        slot back. ``failed`` names the chunks whose load failed. The load's pins
+        are released. Nothing but a load completes here: other pins are released
+        with ``holds.release``.
         """
         if self._staged:
             keys = self._finish_staged(keys, failed)
-        for tier in self.tiers:
-            pins = tier.pins
-            if not pins:
-                continue
-            rest: list[bytes] = []
-            for key in keys:
-                count = pins.get(key)
-                if count is None:
-                    rest.append(key)
-                elif count == 1:
-                    del pins[key]
-                    held = tier.doomed.pop(key, None)
-                    if held is not None:
-                        tier.free_slots.extend(held)
-                else:
-                    pins[key] = count - 1
-            keys = rest
-            if not keys:
-                return
+        self.holds.release(keys)
 
     def _finish_staged(self, keys: Sequence[bytes], failed: Collection[bytes]) -> list[bytes]:
-        """Close the staged chunks among ``keys``; return the others."""
+        """Close the staged chunks among ``keys`` (their source pins released); return the others."""
         host = self.host
         rest: list[bytes] = []
         promoted: list[bytes] = []
@@ -230,14 +212,7 @@ class OffloadingManager(LowerTierFlows):
             if tier is None:
                 rest.append(key)
                 continue
-            count = tier.pins[key]
-            if count == 1:
-                del tier.pins[key]
-                held = tier.doomed.pop(key, None)
-                if held is not None:
-                    tier.free_slots.extend(held)
-            else:
-                tier.pins[key] = count - 1
+            self.holds.release_at(tier, (key,))
             slot = host.storing.pop(key)
             if key in failed:
                 host.free_slots.append(slot)
@@ -246,10 +221,10 @@ class OffloadingManager(LowerTierFlows):
                 promoted.append(key)
         if promoted:
             host.policy.insert_many(promoted[::-1])
-            self._events.append(ChunkEvent(EventKind.STORED, host.name, tuple(promoted)))
+            self.events.add(EventKind.STORED, host.name, promoted)
         return rest
 
-    def touch(self, keys: Sequence[bytes], ctx: object = None) -> None:
+    def touch(self, keys: Sequence[bytes]) -> None:
         """Mark keys as recently used (the engine hit them in its own cache)."""
         for tier in self.tiers:
             ready = tier.ready
@@ -258,7 +233,7 @@ class OffloadingManager(LowerTierFlows):
                 tier.policy.access_many(present)
 
     # ------------------------------------------------------------------- store
-    def prepare_store(self, keys: Sequence[bytes], ctx: object = None) -> StorePlan | None:
+    def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
         """Reserve host-tier slots for the keys not already there.
 
         Returns None when nothing needs or can be written now (all present, or
@@ -284,8 +259,7 @@ class OffloadingManager(LowerTierFlows):
         evicted: list[bytes] = []
         if len(missing) > len(free):
             evicted = tier.evict(len(missing) - len(free), set(touched) if touched else frozenset())
-            if evicted:
-                self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(evicted)))
+            self.events.add(EventKind.REMOVED, tier.name, evicted)
         fit = min(len(missing), len(free))
         if fit < len(missing):
             tier.stats.store_refused += len(missing) - fit
@@ -302,7 +276,7 @@ class OffloadingManager(LowerTierFlows):
             skipped_present=present,
         )
 
-    def complete_store(self, keys: Sequence[bytes], ctx: object = None, ok: bool = True) -> None:
+    def complete_store(self, keys: Sequence[bytes], ok: bool = True) -> None:
         """Finish a store: READY on success; on failure the key vanishes and its slot frees."""
         tier = self.host
         pop = tier.storing.pop
@@ -321,19 +295,11 @@ class OffloadingManager(LowerTierFlows):
         if stored:
             tier.policy.insert_many(stored[::-1])
             tier.stats.stored_chunks += len(stored)
-            self._events.append(ChunkEvent(EventKind.STORED, tier.name, tuple(stored)))
-            pins = tier.pins
-            for lower in self.lower:
-                if lower.spec.mode == "write_through":
-                    # Pinned until copied down: the host tier must not evict a chunk
-                    # before its write-through copy exists (or is given up).
-                    queue = self._demote_queue[lower.name]
-                    for key in stored:
-                        if key not in queue:
-                            queue[key] = None
-                            pins[key] = pins.get(key, 0) + 1
+            self.events.add(EventKind.STORED, tier.name, stored)
+            if self.lower:
+                self.cascade.queue_stored(stored)  # write-through copies, pinned until copied down
 
-    def discard(self, keys: Sequence[bytes], ctx: object = None) -> int:
+    def discard(self, keys: Sequence[bytes]) -> int:
         """Drop chunks that proved unusable (a failed load, a bad checksum) from every tier.
 
         They become misses at once, so the recompute vLLM schedules next does not
@@ -355,18 +321,12 @@ class OffloadingManager(LowerTierFlows):
                     tier.doomed.setdefault(key, []).append(slot)
                 else:
                     tier.free_slots.append(slot)
-            if removed:
-                dropped += len(removed)
-                self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(removed)))
-                if tier is not self.host and not tier.spec.shared:
-                    self._deletes[tier.name].extend(removed)
+            dropped += len(removed)
+            self.events.add(EventKind.REMOVED, tier.name, removed)
+            self.deletes.add(tier.name, removed)  # owned lower tiers only
         return dropped
 
     # ---------------------------------------------------------------- the rest
-    def take_events(self) -> list[ChunkEvent]:
-        events, self._events = self._events, []
-        return events
-
     def stats(self) -> ManagerStats:
         return ManagerStats(
             lookups=self._lookups,
@@ -395,18 +355,14 @@ class OffloadingManager(LowerTierFlows):
         no in-flight copy ever reads or writes a slot that was handed out again.
         Pending write-through copies are abandoned first (their pins released).
         """
-        for queue in self._demote_queue.values():
-            self.complete_load(list(queue))
-            queue.clear()
+        self.cascade.drop_queued()
         dropped = 0
         for tier in self.tiers:
             if tier.spec.shared:
                 continue  # other engines' chunks: a reset of this engine does not touch them
             keys = tier.drop_unpinned()
-            if keys:
-                self._events.append(ChunkEvent(EventKind.REMOVED, tier.name, tuple(keys)))
-                if tier is not self.host:
-                    self._deletes[tier.name].extend(keys)
+            self.events.add(EventKind.REMOVED, tier.name, keys)
+            self.deletes.add(tier.name, keys)  # owned lower tiers only
             dropped += len(keys)
         return dropped
 

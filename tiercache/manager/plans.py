@@ -9,28 +9,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiercache.jobs import ChunkSource, FromHost, FromReader, FromTier
+
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
-    """Load ``keys[i]`` into the engine from host slot ``slots[i]``. Sources are pinned.
+    """Load ``keys[i]`` into the engine from ``sources[i]``. Sources are pinned.
 
-    ``tiers[i]`` names where the chunk lives. When it is a lower tier,
-    ``staged[i]`` is True: the chunk is first read from that tier into host
-    slot ``slots[i]`` (reserved as staging), then copied to the engine, in one
-    job. After the job the chunk stays in the host tier (promoted). A chunk of
-    a direct tier (TierSpec.direct) is read straight into the engine's blocks:
-    its slot is -1 and it is not staged. A plan may
-    cover only a leading part of the keys asked for (no host slot could be
-    freed for staging the rest): the caller treats the rest as failed loads.
+    Each source is one of :mod:`tiercache.jobs`' (the scheduler puts it into
+    the load job as it is): :class:`~tiercache.jobs.FromHost`, the chunk's host
+    slot; :class:`~tiercache.jobs.FromTier`, a lower tier the chunk is first
+    read from into a host slot reserved as staging, then copied to the engine,
+    in one job (after it, the chunk stays in the host tier: promoted);
+    :class:`~tiercache.jobs.FromReader`, a direct tier (TierSpec.direct) whose
+    reader writes the engine's blocks itself (its ``where`` is left for the
+    caller, who knows the reader). A plan may cover only a leading part of the
+    keys asked for (no host slot could be freed for staging the rest): the
+    caller treats the rest as failed loads.
     """
 
     keys: tuple[bytes, ...]
-    tiers: tuple[str, ...]
-    slots: tuple[int, ...]
-    staged: tuple[bool, ...] = ()
+    sources: tuple[ChunkSource, ...]
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return tuple(s.tier for s in self.sources)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Each chunk's host slot (its own, or its staging slot); -1 for a direct tier's."""
+        return tuple(-1 if isinstance(s, FromReader) else s.slot for s in self.sources)
+
+    @property
+    def staged(self) -> tuple[bool, ...]:
+        return tuple(isinstance(s, FromTier) for s in self.sources)
 
     def is_staged(self, i: int) -> bool:
-        return bool(self.staged) and self.staged[i]
+        return isinstance(self.sources[i], FromTier)
+
+
+def host_sources(tier: str, slots: tuple[int, ...]) -> tuple[FromHost, ...]:
+    """Sources of chunks that all sit in the host tier ``tier``, at ``slots``."""
+    return tuple(FromHost(tier, slot) for slot in slots)
 
 
 @dataclass(frozen=True, slots=True)

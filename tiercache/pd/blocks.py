@@ -16,8 +16,8 @@ out consecutive blocks to a fresh prompt more often than not), so a 2048-token
 hand-off of a 16-region model is a few dozen descriptors, not a thousand
 pages (measured here: 1.1 GB/s per page, several times that per run).
 
-Pure data and numpy; NIXL agents are driven by tiercache.pd.channel and
-tiercache.pd.peer_tier.
+Pure data and numpy; NIXL agents are driven by :mod:`tiercache.pd.producer`
+and :mod:`tiercache.pd.peer_tier`.
 """
 
 from __future__ import annotations

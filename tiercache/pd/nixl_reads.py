@@ -14,7 +14,7 @@ fails the keys, never the engine. :func:`thread_schedstat` reads the calling
 thread's CPU time and run-queue wait, for the per-READ debug log.
 
 Threads: used with the consumer's ``_io_lock`` held (one READ at a time per agent);
-a ``TagMirror`` belongs to the ``NixlPeerTier`` that made it.
+a ``TagMirror`` belongs to the :class:`tiercache.pd.tagged_reads.TaggedReader` that made it.
 """
 
 from __future__ import annotations

@@ -7,42 +7,37 @@ direct tier of the consumer's manager: the load plan gives no host slot, and
 :meth:`NixlPeerTier.submit_blocks` READs each chunk straight into the
 consumer's KV blocks (registered by :meth:`NixlPeerTier.expose_blocks`),
 results from :meth:`NixlPeerTier.poll_blocks`. The source depends on the
-producer's mode: its host slot (``via_host``, :func:`tiercache.pd.blocks.plane_descs`
-or, for a slab in layout ``slots``, :func:`~tiercache.pd.blocks.slot_descs`) or its own KV blocks (``direct``, :func:`tiercache.pd.blocks.paired_descs`).
+producer's mode: its host slot (``via_host``: :func:`tiercache.pd.read_plans.slot_plan`)
+or its own KV blocks (``direct``: :func:`tiercache.pd.read_plans.block_plan`).
 
 The metadata of the step names, per key, which producer holds it and where
-(:meth:`expect`). A producer of another TP size (``PeerSource.tp_size``) is read
-head by head (tiercache.pd.heads): this rank's KV heads from the producer
-rank(s) holding them, each a sub-run of their head-major pages
-(:func:`~tiercache.pd.read_plans.head_plan`); a chunk arrived when every
+(:meth:`NixlPeerTier.expect`). A producer of another TP size
+(``PeerSource.tp_size``) is read head by head (:mod:`tiercache.pd.heads`):
+this rank's KV heads from the producer rank(s) holding them
+(:func:`tiercache.pd.read_plans.head_plan`); a chunk arrived when every
 producer rank's part did.
 
-A read, per producer: handshake once (:class:`tiercache.pd.channel.PeerLink`;
+A read, per producer: handshake once (:class:`tiercache.pd.link.PeerLinks`;
 a producer with a different model, dtype, layout or chunk size is refused,
-naming the difference), then NIXL only: one READ of the data, one READ of the
-tags guarding it (a slot's or a block's tag names the chunk while the producer
-holds it for us; the producer's whole tag array, when small, by a handle made
-once: ``nixl_read.TagMirror``). A tag that names the chunk: arrived. A tag of 0: the
-producer's copy into that slot still runs (via_host) or its worker has not
-heard of the hold yet (direct): read the chunk again a moment later. Another
-chunk's tag: the slot or blocks were reused, the chunk is dropped
-(recomputed, never wrong). Then a one-way message on the side channel naming
-the producer's request, so it releases the chunks. Anything that goes wrong
-(dead producer, refusal, timeout, a transfer error) fails the keys: the
-engine recomputes.
+naming the difference), then NIXL only: the data READ and the READ of the tags
+guarding it, again while a tag says "not yet" (:class:`tiercache.pd.tagged_reads.TaggedReader`;
+a chunk whose slot or blocks were reused is dropped: recomputed, never wrong).
+Then a one-way message on the side channel naming the producer's request, so
+it releases the chunks. Anything that goes wrong (dead producer, refusal,
+timeout, a transfer error) fails the keys: the engine recomputes.
 
 Buffers: the consumer's KV blocks, a small tag buffer and one tag mirror per
-producer tag array are registered with this object's NIXL agent once; blocks named by ``submit_blocks`` are the
-load's own, written only by the READ of their own job.
+producer tag array are registered with this object's NIXL agent once; blocks
+named by ``submit_blocks`` are the load's own, written only by their job's READ.
 
 Threads: submit/poll/expect/close from the worker thread. A read runs on the
 I/O thread, except that with UCX error handling ``none`` (one-sided reads that
 cannot hang on the producer) a read from a producer already shaken hands with
 is tried inline, on the worker thread: in an engine pinned to one core the
 I/O thread shares that core with vLLM's spinning worker loop, and the inline
-READ is several times faster (docs/PERFORMANCE.md). If it would have to wait
-(a tag not set yet, a handshake, the I/O thread busy) the job goes to the I/O
-thread as before. ``_io_lock`` serialises all NIXL and link use.
+READ is several times faster. If it would have to wait (a tag not set yet, a
+handshake, the I/O thread busy) the job goes to the I/O thread as before.
+``_io_lock`` serialises all NIXL and link use.
 """
 
 from __future__ import annotations
@@ -55,36 +50,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from tiercache import faults
 from tiercache.backend import JobResult
+from tiercache.pd.blocks import BlockRegions
+from tiercache.pd.channel import ChannelError, key_tag, make_agent
+from tiercache.pd.heads import HeadRun, PageHeads, head_runs, readers_of
+from tiercache.pd.link import PeerLink, PeerLinks
 from tiercache.pd.read_plans import (
     PEER_DEVICE_TO_DEVICE as PEER_DEVICE_TO_DEVICE,  # re-exported: the metric paths
     PEER_HOST_TO_DEVICE as PEER_HOST_TO_DEVICE,
     IncompatibleBlocks,
-    ReadPlan,
     block_plan,
     head_plan,
     slot_plan,
 )
-from tiercache.pd.nixl_reads import TagMirror, read_to_completion, thread_schedstat
-from tiercache.transfer.device import CopySegment
-from tiercache.layout import block_runs
-from tiercache.pd.blocks import BlockRegions
-from tiercache.pd.channel import TAG_BYTES, ChannelError, PeerLink, key_tag, make_agent
-from tiercache.pd.heads import HeadRun, PageHeads, head_runs, readers_of
+from tiercache.pd.tagged_reads import MustWait, TaggedReader
+from tiercache.pd.transfer_log import PEER_DATA_READ as PEER_DATA_READ  # re-exported: a metric path
+from tiercache.pd.transfer_log import Transfer, TransferLog
 from tiercache.shards import ShardError
+from tiercache.jobs import CopySegment, FromReader, LoadChunk
 
 logger = logging.getLogger(__name__)
 
 PEER_TIER = "peer"
-# transfer-metric paths: PEER_HOST_TO_DEVICE / PEER_DEVICE_TO_DEVICE (tiercache/pd/read_plans.py), the
-# whole hand-off by source; and of the data READs alone, either source: the READ's handle made, posted, completed and
-# released (no descriptor building, no tag READ); comparable with raw NIXL and NIXL's own telemetry
-PEER_DATA_READ = "peer_data_read"
-_HELLO_ATTEMPT_S = 1.0
-_TAG_POLL_S = 0.001
 _POLL_BURST_S = 0.002
 
 
@@ -122,10 +110,6 @@ class _Job:
     segments: list[CopySegment]  # the consumer's blocks of each key
 
 
-class _MustWait(Exception):
-    """An inline read met something to wait for: the I/O thread takes the job instead."""
-
-
 class NixlPeerTier:
     name = "nixl_peer"
 
@@ -138,23 +122,22 @@ class NixlPeerTier:
         self.inline = error_handling == "none"
         self._io_lock = threading.Lock()
         self.agent = make_agent("consumer", error_handling)
+        self.counters = {"read_chunks": 0, "read_bytes": 0, "failed_chunks": 0, "refused_peers": 0,
+                         "hello_retries": 0, "stale_chunks": 0, "inline_jobs": 0,
+                         "data_descs": 0}  # NIXL descriptors of data READs (tags not counted)
         # one tag per block of the largest possible job (a slot's tag per chunk: fewer)
-        self._tags = np.zeros(max(1, max_blocks), dtype=np.uint64)
-        self._regs = [self.agent.register_memory([(int(self._tags.ctypes.data), self._tags.nbytes, 0, "")], "DRAM")]
+        self._reads = TaggedReader(self.agent, max_blocks, self.counters)
+        self._mirrors = self._reads.mirrors  # (producer agent, tags addr) -> its tags
+        self._regs = [self._reads.reg]
+        self._links = PeerLinks(self.agent, fingerprint, read_timeout_s, self.counters, self._reads.forget)
         self.blocks: BlockRegions | None = None
         # our pages by KV head (set by the worker): producers of another TP size are read head by head
         self.page_heads: PageHeads | None = None
         self._chunks: dict[bytes, PeerChunk] = {}
-        self._links: dict[tuple[str, int], PeerLink] = {}
-        self._refused: dict[tuple[str, int], str] = {}
-        self._mirrors: dict[tuple[str, int], TagMirror] = {}  # (producer agent, tags addr) -> its tags
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._done: list[JobResult] = []
-        self._transfers: list[tuple[str, int, float]] = []  # (path, bytes, seconds) per READ
-        self._lock = threading.Lock()
-        self.counters = {"read_chunks": 0, "read_bytes": 0, "failed_chunks": 0, "refused_peers": 0,
-                         "hello_retries": 0, "stale_chunks": 0, "inline_jobs": 0,
-                         "data_descs": 0}  # NIXL descriptors of data READs (tags not counted)
+        self._log = TransferLog()
+        self._lock = threading.Lock()  # guards _done: finished by either thread, polled by the worker
         self._thread = threading.Thread(target=self._run, name="tiercache-pd-reader", daemon=True)
         self._thread.start()
 
@@ -167,6 +150,11 @@ class NixlPeerTier:
     def expect(self, chunks: dict[bytes, PeerChunk]) -> None:
         """Where the producers hold each key the next loads read from this tier."""
         self._chunks.update(chunks)
+
+    def read_chunks(self, job_id: int, chunks: Sequence[LoadChunk]) -> None:
+        """The pipeline's call (BlockReader): each chunk's producer memory is its source's ``where``."""
+        self.expect({c.key: c.source.where for c in chunks if isinstance(c.source, FromReader) and c.source.where})
+        self.submit_blocks(job_id, [c.key for c in chunks], [c.segment() for c in chunks])
 
     def submit_blocks(self, job_id: int, keys: Sequence[bytes], segments: Sequence[CopySegment]) -> None:
         """READ ``keys`` from their producers into ``segments``' blocks; the result from :meth:`poll_blocks`."""
@@ -184,7 +172,7 @@ class NixlPeerTier:
                 return False  # a handshake first: that may wait on the producer
             try:
                 self._finish(self._run_job(job, wait=False))
-            except _MustWait:
+            except MustWait:
                 return False
             self.counters["inline_jobs"] += 1
             return True
@@ -197,28 +185,18 @@ class NixlPeerTier:
             out, self._done = self._done, []
         return out
 
-    def take_transfers(self) -> list[tuple[str, int, float]]:
+    def take_transfers(self) -> list[Transfer]:
         """The NIXL transfers finished since the last call: (path, bytes, seconds) each.
 
-        Seconds run from building a hand-off's descriptors to its tags checked (the
-        READs and any re-reads; not the handshake, the notice or the queueing),
-        path ``peer_host_to_device`` or ``peer_device_to_device`` by source. Each
-        comes with a ``peer_data_read`` entry: the data READs alone (handle made,
-        posted, completed, released), the part that compares with raw NIXL and with
-        what vLLM's NixlConnector reports as ``nixl_xfer_time_seconds`` (NIXL's own
-        telemetry, from post to completion).
+        The paths, and what each one's seconds cover: :mod:`tiercache.pd.transfer_log`.
         """
-        with self._lock:
-            out, self._transfers = self._transfers, []
-        return out
+        return self._log.take()
 
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=self.read_timeout_s + 5)
-        for mirror in self._mirrors.values():
-            mirror.close()
-        for link in self._links.values():
-            link.close()
+        self._reads.close()
+        self._links.close()
         for reg in self._regs:
             try:
                 self.agent.deregister_memory(reg)
@@ -247,7 +225,7 @@ class NixlPeerTier:
             self._done.append(result)
 
     def _run_job(self, job: _Job, wait: bool) -> JobResult:
-        """Read every chunk of ``job`` (``wait`` False: raise _MustWait rather than wait)."""
+        """Read every chunk of ``job`` (``wait`` False: raise MustWait rather than wait)."""
         start = time.perf_counter()
         by_peer: dict[PeerSource, list[int]] = {}
         for i, key in enumerate(job.keys):
@@ -289,40 +267,7 @@ class NixlPeerTier:
             return [self.rank]
 
     def _link(self, src: PeerSource, producer_rank: int | None = None) -> PeerLink:
-        addr = (src.host, src.port + (self.rank if producer_rank is None else producer_rank))
-        if addr in self._refused:
-            raise ChannelError(self._refused[addr])
-        link = self._links.get(addr)
-        if link is None:
-            link = self._connect(addr)
-            self._links[addr] = link
-        return link
-
-    def _connect(self, addr: tuple[str, int]) -> PeerLink:
-        """Handshake with a producer, retrying short attempts until ``read_timeout_s``.
-
-        A producer answers between its engine steps, so a handshake that lands
-        in a long forward pass waits for it; a dead producer is retried until
-        the deadline (it may be restarting).
-        """
-        deadline = time.monotonic() + self.read_timeout_s
-        while True:
-            attempt_s = min(_HELLO_ATTEMPT_S, max(0.05, deadline - time.monotonic()))
-            try:
-                return PeerLink(addr[0], addr[1], self.fingerprint, self.agent, attempt_s)
-            except ChannelError as exc:
-                if "refused us" in str(exc) or "incompatible" in str(exc):
-                    self._refuse(addr, str(exc))
-                    raise
-                if time.monotonic() >= deadline:
-                    raise
-            self.counters["hello_retries"] += 1
-            time.sleep(0.05)
-
-    def _refuse(self, addr: tuple[str, int], why: str) -> None:
-        self._refused[addr] = why
-        self.counters["refused_peers"] += 1
-        logger.error("tiercache P/D: %s", why)
+        return self._links.get((src.host, src.port + (self.rank if producer_rank is None else producer_rank)))
 
     # ---------------------------------------------------------------- reading
     def _read(self, src: PeerSource, keys: list[bytes], segments: list[CopySegment], chunks: list[PeerChunk],
@@ -334,41 +279,36 @@ class NixlPeerTier:
             if self._hetero(src):
                 return self._read_heads(src, keys, segments, chunks, wait, start, deadline)
             link = self._link(src)
-            if self.blocks is None:
-                raise ChannelError("this consumer's KV blocks are not registered")
-            ours = [b for seg in segments for b in seg.block_ids]
-            try:
-                self.blocks.check_blocks(ours)
-            except ValueError as exc:
-                raise ChannelError(f"our blocks: {exc}") from exc
+            blocks = self._our_blocks(segments)
             if all(c.slot >= 0 for c in chunks):
-                plan = slot_plan(self.blocks, link, segments, chunks, self.chunk_bytes)
+                plan = slot_plan(blocks, link, segments, chunks, self.chunk_bytes)
             elif all(c.slot < 0 for c in chunks):
                 try:
-                    plan = block_plan(self.blocks, link, segments, chunks)
+                    plan = block_plan(blocks, link, segments, chunks)
                 except IncompatibleBlocks as exc:
-                    self._refuse((src.host, src.port + self.rank), f"producer {link.address} is incompatible: {exc}")
+                    self._links.refuse((src.host, src.port + self.rank),
+                                       f"producer {link.address} is incompatible: {exc}")
                     raise
             else:
                 raise ChannelError(f"producer {link.address}: a hand-off mixes host slots and KV blocks")
             t0 = time.monotonic()
-            arrived, data_bytes, data_secs = self._read_until_tagged(link, plan, [c.tag or key_tag(k) for k, c in zip(keys, chunks)],
-                                                                     deadline, wait)
+            expected = [c.tag or key_tag(k) for k, c in zip(keys, chunks)]
+            arrived, data_bytes, data_secs = self._reads.read(link, plan, expected, blocks.mem_type, deadline,
+                                                              wait, self._poll_burst())
             t1 = time.monotonic()
-            moved = sum(len(segments[i].block_ids) for i in arrived) * sum(self.blocks.pages)
+            moved = sum(len(segments[i].block_ids) for i in arrived) * sum(blocks.pages)
             if moved:
-                with self._lock:
-                    self._transfers.append((plan.path, moved, t1 - t0))
-                    self._transfers.append((PEER_DATA_READ, data_bytes, data_secs))
+                self._log.record((plan.path, moved, t1 - t0), (PEER_DATA_READ, data_bytes, data_secs))
             self._notify(link, src)
             logger.debug("tiercache P/D: %d/%d chunks (%d blocks, %s) from %s: handshake %.1f ms, "
-                         "READs and tags %.1f ms", len(arrived), len(keys), len(ours), plan.path,
+                         "READs and tags %.1f ms", len(arrived), len(keys), sum(len(g.block_ids) for g in segments),
+                         plan.path,
                          link.address, (t0 - start) * 1e3, (t1 - t0) * 1e3)
             return arrived
         except (ChannelError, OSError) as exc:
             self._failed(src, len(keys), start, exc)
             return []
-        except _MustWait:
+        except MustWait:
             raise
         except Exception as exc:  # noqa: BLE001 - garbage from a peer (metadata, a plan): its keys fail
             faults.record(faults.READER_EXCEPTION, exc, where=f"pd reader {src.host}:{src.port}")
@@ -385,12 +325,7 @@ class NixlPeerTier:
         runs = self._runs(src)  # ChannelError: this pair is refused
         ours = self.page_heads
         assert ours is not None
-        if self.blocks is None:
-            raise ChannelError("this consumer's KV blocks are not registered")
-        try:
-            self.blocks.check_blocks([b for seg in segments for b in seg.block_ids])
-        except ValueError as exc:
-            raise ChannelError(f"our blocks: {exc}") from exc
+        blocks = self._our_blocks(segments)
         expected = [c.tag or key_tag(k) for k, c in zip(keys, chunks)]
         arrived: set[int] | None = None
         links: list[tuple[PeerLink, int]] = []
@@ -398,124 +333,49 @@ class NixlPeerTier:
         for prank in sorted({r.producer_rank for r in runs}):
             link = self._link(src, prank)
             try:
-                plan = head_plan(self.blocks, ours, link, [r for r in runs if r.producer_rank == prank],
+                plan = head_plan(blocks, ours, link, [r for r in runs if r.producer_rank == prank],
                                  segments, chunks, self.chunk_bytes)
             except IncompatibleBlocks as exc:
-                self._refuse((src.host, src.port + prank), f"producer {link.address} is incompatible: {exc}")
+                self._links.refuse((src.host, src.port + prank), f"producer {link.address} is incompatible: {exc}")
                 raise
-            got, data_bytes, data_secs = self._read_until_tagged(link, plan, expected, deadline, wait)
+            got, data_bytes, data_secs = self._reads.read(link, plan, expected, blocks.mem_type, deadline,
+                                                          wait, self._poll_burst())
             arrived = set(got) if arrived is None else arrived & set(got)
             links.append((link, prank))
             if data_bytes:
-                with self._lock:
-                    self._transfers.append((PEER_DATA_READ, data_bytes, data_secs))
+                self._log.record((PEER_DATA_READ, data_bytes, data_secs))
         t1 = time.monotonic()
         done = sorted(arrived or ())
-        moved = sum(len(segments[i].block_ids) for i in done) * sum(self.blocks.pages)
+        moved = sum(len(segments[i].block_ids) for i in done) * sum(blocks.pages)
         if moved:
-            with self._lock:
-                path = PEER_DEVICE_TO_DEVICE if all(c.slot < 0 for c in chunks) else PEER_HOST_TO_DEVICE
-                self._transfers.append((path, moved, t1 - t0))
+            path = PEER_DEVICE_TO_DEVICE if all(c.slot < 0 for c in chunks) else PEER_HOST_TO_DEVICE
+            self._log.record((path, moved, t1 - t0))
         for link, prank in links:
-            readers = readers_of(ours.total, ours.tp_size, src.tp_size, prank)
-            try:
-                link.notify_read(src.request_id, self.rank, readers)
-            except ChannelError:  # the hold then expires on the producer
-                logger.warning("tiercache P/D: notifying %s failed", link.address, exc_info=True)
+            self._notify(link, src, readers_of(ours.total, ours.tp_size, src.tp_size, prank))
         logger.debug("tiercache P/D: %d/%d chunks from %d producer ranks of TP size %d (ours %d): %.1f ms",
                      len(done), len(keys), len(links), src.tp_size, ours.tp_size, (t1 - t0) * 1e3)
         return done
 
-    def _read_until_tagged(self, link: PeerLink, plan: ReadPlan, expected: list[int], deadline: float,
-                           wait: bool) -> tuple[list[int], int, float]:
-        """READ the data, then its tags; again for chunks whose tags were 0.
-
-        Returns the chunks that arrived, and the bytes and seconds of the data READs alone.
-        """
-        assert self.blocks is not None
-        if sum(len(t) for t in plan.tag_index) > len(self._tags):
-            raise ChannelError(f"a hand-off of {sum(len(t) for t in plan.tag_index)} blocks exceeds the "
-                               f"{len(self._tags)} tags")
-        arrived: list[int] = []
-        pending = list(range(len(expected)))
-        ours_mem = self.blocks.mem_type
-        data_bytes, data_secs = 0, 0.0
-        while pending:
-            debug = logger.isEnabledFor(logging.DEBUG)
-            sched = thread_schedstat() if debug else (0, 0)
-            t0 = time.perf_counter()
-            local, remote = plan.descs(pending)
-            t1 = time.perf_counter()
-            self._read_descs(link, local, ours_mem, remote, plan.remote_mem, deadline)
-            t2 = time.perf_counter()
-            tags = iter(self._read_tags(link, plan.tags_addr, plan.tag_count,
-                                        [t for i in pending for t in plan.tag_index[i]],
-                                        deadline))
-            t3 = time.perf_counter()
-            self.counters["data_descs"] += len(local)
-            data_bytes += int(np.asarray(local)[:, 1].sum())
-            data_secs += t2 - t1
-            if debug:
-                cpu, waited = (after - before for after, before in zip(thread_schedstat(), sched))
-                logger.debug("tiercache P/D: %d descriptors: built %.2f ms, data READ %.2f ms (CPU %.2f ms, "
-                             "waiting for the CPU %.2f ms), tags %.2f ms", len(local), (t1 - t0) * 1e3,
-                             (t2 - t1) * 1e3, cpu / 1e6, waited / 1e6, (t3 - t2) * 1e3)
-            again: list[int] = []
-            for i in pending:
-                got = [next(tags) for _ in plan.tag_index[i]]
-                if all(t == expected[i] for t in got):
-                    arrived.append(i)
-                elif any(t not in (0, expected[i]) for t in got):
-                    self.counters["stale_chunks"] += 1  # released and reused: another chunk's now
-                else:
-                    again.append(i)  # a copy into the slot in flight, or a hold not marked yet
-            pending = again
-            if pending:
-                if not wait:
-                    raise _MustWait
-                if time.monotonic() >= deadline:
-                    logger.warning("tiercache P/D: %d chunks of %s never became readable (expired?)",
-                                   len(pending), link.address)
-                    break
-                time.sleep(_TAG_POLL_S)
-        return sorted(arrived), data_bytes, data_secs
-
     # ------------------------------------------------------------------ common
-    def _read_tags(self, link: PeerLink, tags_addr: int, count: int, indices: list[int],
-                   deadline: float) -> list[int]:
-        if 0 < count * TAG_BYTES <= TagMirror.MAX_BYTES:  # the whole array, one handle made once per link
-            key = (link.agent_name, tags_addr)
-            if key not in self._mirrors:
-                self._mirrors[key] = TagMirror(self.agent, link.agent_name, link.address, tags_addr, count)
-            tags = self._mirrors[key].read(deadline, self._poll_burst())
-            return [int(tags[i]) for i in indices]
-        base = int(self._tags.ctypes.data)
-        # one descriptor per run of consecutive tags: a hand-off's slots or blocks mostly are one run,
-        # and each descriptor is one process_vm_readv on one host (63 single tags took 0.15 ms)
-        runs = block_runs(indices)
-        local = [(base + pos * TAG_BYTES, n * TAG_BYTES, 0) for pos, _, n in runs]
-        remote = [(tags_addr + first * TAG_BYTES, n * TAG_BYTES, 0) for _, first, n in runs]
-        self._tags[: len(indices)] = 0
-        self._read_descs(link, local, "DRAM", remote, "DRAM", deadline)
-        return [int(t) for t in self._tags[: len(indices)]]
+    def _our_blocks(self, segments: list[CopySegment]) -> BlockRegions:
+        """Our registered KV blocks, once ``segments``' blocks are checked to lie in them (else ChannelError)."""
+        if self.blocks is None:
+            raise ChannelError("this consumer's KV blocks are not registered")
+        try:
+            self.blocks.check_blocks([b for seg in segments for b in seg.block_ids])
+        except ValueError as exc:
+            raise ChannelError(f"our blocks: {exc}") from exc
+        return self.blocks
 
-    def _notify(self, link: PeerLink, src: PeerSource) -> None:
-        """Tell the producer this request's chunks were read (it releases them).
+    def _notify(self, link: PeerLink, src: PeerSource, readers: int = 1) -> None:
+        """Tell the producer this request's chunks were read (it releases them once ``readers`` of our ranks did).
 
-        Over the side channel, not a NIXL notification: with UCX error handling
-        ``none``, NIXL notifications from a consumer were seen to never reach a
-        ``vllm serve`` producer (they did reach an offline-engine one; docs/pd.md).
+        Over the side channel, not as a NIXL notification (why: :mod:`tiercache.pd.channel`).
         """
         try:
-            link.notify_read(src.request_id)
+            link.notify_read(src.request_id, self.rank, readers)
         except ChannelError:  # the hold then expires on the producer
             logger.warning("tiercache P/D: notifying %s failed", link.address, exc_info=True)
-
-    def _read_descs(self, link: PeerLink, local: Any, local_mem: str, remote: Any, remote_mem: str,
-                    deadline: float) -> None:
-        """One NIXL READ of ``remote`` into ``local``, to completion (ChannelError if it fails or passes ``deadline``)."""
-        read_to_completion(self.agent, link.agent_name, link.address, local, local_mem, remote, remote_mem,
-                           deadline, self._poll_burst())
 
     def _poll_burst(self) -> float:
         # The I/O thread polls in bursts and yields the GIL between them (a thread that yields
@@ -526,19 +386,5 @@ class NixlPeerTier:
     def _failed(self, src: PeerSource, n: int, start: float, exc: Exception) -> None:
         logger.warning("tiercache P/D: %d chunks from %s:%d not read after %.2fs: %s: %s", n, src.host, src.port,
                        time.monotonic() - start, type(exc).__name__, exc)
-        self._drop_link(src)
-
-    def _drop_link(self, src: PeerSource) -> None:
-        for prank in self._producer_ranks(src):
-            self._drop_one((src.host, src.port + prank))
-
-    def _drop_one(self, addr: tuple[str, int]) -> None:
-        link = self._links.pop(addr, None)
-        if link is not None:
-            for key in [k for k in self._mirrors if k[0] == link.agent_name]:
-                self._mirrors.pop(key).close()
-            link.close()
-            try:
-                self.agent.remove_remote_agent(link.agent_name)
-            except Exception:  # noqa: BLE001
-                logger.debug("tiercache P/D: removing agent %s failed", link.agent_name, exc_info=True)
+        for prank in self._producer_ranks(src):  # the next read shakes hands again
+            self._links.drop((src.host, src.port + prank))

@@ -24,23 +24,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from tiercache.transfer.device import CopySegment
 from tiercache.layout import region_offsets
 from tiercache.pd.blocks import BlockRegions, paired_descs, plane_descs, slot_descs
-from tiercache.pd.channel import ChannelError, PeerLink
+from tiercache.pd.channel import ChannelError
 from tiercache.pd.heads import HeadRun, PageHeads, check_pages, head_descs
-
-if TYPE_CHECKING:
-    from tiercache.pd.peer_tier import PeerChunk
+from tiercache.pd.link import PeerLink
+from tiercache.transfer.device import CopySegment
 
 # transfer-metric paths of a whole hand-off (tiercache_transfer_*{path=...}), by source: the
 # producer's host slots (via_host) or its KV blocks (direct); both land in our blocks
 PEER_HOST_TO_DEVICE = "peer_host_to_device"
 PEER_DEVICE_TO_DEVICE = "peer_device_to_device"
+
+
+class HeldChunk(Protocol):
+    """Where a producer holds one handed-off chunk, as a plan reads it.
+
+    :class:`tiercache.pd.peer_tier.PeerChunk` is one (a protocol here: plans import no reader).
+    """
+
+    @property
+    def slot(self) -> int: ...  # its host slot (via_host), or -1 (direct)
+
+    @property
+    def blocks(self) -> tuple[int, ...]: ...  # mode direct: its KV blocks
 
 
 class IncompatibleBlocks(ChannelError):
@@ -59,7 +70,7 @@ class ReadPlan:
     path: str  # transfer-metric path
 
 
-def _slots(link: PeerLink, chunks: Sequence[PeerChunk]) -> list[int]:
+def _slots(link: PeerLink, chunks: Sequence[HeldChunk]) -> list[int]:
     """The producer host slots a via_host hand-off names, each checked against its slab."""
     slots = [c.slot for c in chunks]
     if any(not 0 <= s < link.num_slots for s in slots):
@@ -68,7 +79,7 @@ def _slots(link: PeerLink, chunks: Sequence[PeerChunk]) -> list[int]:
 
 
 def _source_blocks(link: PeerLink, theirs: BlockRegions, segments: Sequence[CopySegment],
-                   chunks: Sequence[PeerChunk]) -> list[list[int]]:
+                   chunks: Sequence[HeldChunk]) -> list[list[int]]:
     """Mode direct: per chunk, the producer's KV blocks our segment's positions come from (checked)."""
     sources: list[list[int]] = []
     for seg, chunk in zip(segments, chunks):
@@ -84,7 +95,7 @@ def _source_blocks(link: PeerLink, theirs: BlockRegions, segments: Sequence[Copy
 
 
 def slot_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment],
-              chunks: Sequence[PeerChunk], chunk_bytes: int) -> ReadPlan:
+              chunks: Sequence[HeldChunk], chunk_bytes: int) -> ReadPlan:
     """Mode via_host: each chunk from the producer's host slot, one tag per slot."""
     slots = _slots(link, chunks)
     if link.slot_bytes != chunk_bytes:
@@ -106,7 +117,7 @@ def slot_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment
 
 
 def block_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment],
-               chunks: Sequence[PeerChunk]) -> ReadPlan:
+               chunks: Sequence[HeldChunk]) -> ReadPlan:
     """Mode direct: each chunk from the producer's KV blocks, one tag per block."""
     theirs = link.blocks
     if theirs is None:
@@ -124,7 +135,7 @@ def block_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegmen
 
 
 def head_plan(ours: BlockRegions, our_heads: PageHeads, link: PeerLink, runs: Sequence[HeadRun],
-              segments: Sequence[CopySegment], chunks: Sequence[PeerChunk], chunk_bytes: int) -> ReadPlan:
+              segments: Sequence[CopySegment], chunks: Sequence[HeldChunk], chunk_bytes: int) -> ReadPlan:
     """Another TP size (tiercache.pd.heads): our heads' sub-runs of one producer rank's pages.
 
     ``runs``: the heads this producer rank gives us (:func:`tiercache.pd.heads.head_runs`).

@@ -8,6 +8,7 @@ Modules, one job each:
 * :mod:`~tiercache.server.config` - the server's own config file
 * :mod:`~tiercache.server.slab` - the host memory: fixed slots with a length trailer
 * :mod:`~tiercache.server.store` - manager + slab + lower tiers; two-phase put/get
+* :mod:`~tiercache.server.tier_pump` - the store's backend jobs: deletes, demotions, staged reads
 * :mod:`~tiercache.server.connection` - one client connection (HELLO, then requests)
 * :mod:`~tiercache.server.service` - listen, accept, drain on SIGTERM
 * :mod:`~tiercache.server.nixl_path` - the server's NIXL (UCX) data path

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from tiercache.config.schema import ByteSize, MetricsConfig, TierConfig
-from tiercache.config.yaml_file import YamlFileSource, load_settings
+from tiercache.config.schema import ByteSize, MetricsConfig, TierConfig, check_host_first
+from tiercache.config.yaml_file import YamlBackedSettings, load_settings
 
 DEFAULT_PORT = 7470
 
@@ -36,7 +36,7 @@ def _on_off(value: Any) -> Any:
     return value
 
 
-class ServerConfig(BaseSettings):
+class ServerConfig(YamlBackedSettings):
     """Everything ``tiercache serve`` needs; frozen once built."""
 
     model_config = SettingsConfigDict(
@@ -104,11 +104,7 @@ class ServerConfig(BaseSettings):
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: duplicate tier names {sorted(names)}")
-        if self.tiers[0].backend != "cpu":
-            raise ValueError(
-                f"tiers.0.backend: the first tier is the server's host memory and must be 'cpu', "
-                f"got {self.tiers[0].backend!r}"
-            )
+        check_host_first(self.tiers, "the server's host memory")
         if self.max_value_bytes > self.max_message_bytes:
             raise ValueError(
                 f"max_value_bytes: {self.max_value_bytes} is larger than max_message_bytes "
@@ -116,16 +112,6 @@ class ServerConfig(BaseSettings):
             )
         return self
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, YamlFileSource(settings_cls))
 
     @property
     def token(self) -> str | None:

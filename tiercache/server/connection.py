@@ -18,6 +18,11 @@ A PUT's values are received straight into the host slots the store reserved
 With NIXL, PUT_REMOTE/GET_REMOTE move the values with one transfer per
 request and only the reply travels on the socket.
 
+The connection sees its server only through :class:`ConnectionHost` (what it
+reads of the server, and the two calls it makes back), so this module does not
+import :mod:`tiercache.server.service`; the service's
+:class:`~tiercache.server.service.CacheServer` is the one implementation.
+
 Threading: event loop thread only. Buffers: the connection's inbox is its own;
 slot views are used only between the store's begin and end calls.
 """
@@ -28,18 +33,48 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercache.server import protocol as p
 from tiercache.server.auth import check_token
 from tiercache.server.wire import AsyncStream
 
 if TYPE_CHECKING:
-    from tiercache.server.service import CacheServer
+    from tiercache.server.config import ServerConfig
+    from tiercache.server.metrics import ServerMetrics
+    from tiercache.server.nixl_path import NixlEndpoint
+    from tiercache.server.store import ChunkStore
 
 logger = logging.getLogger(__name__)
+
+
+class ConnectionHost(Protocol):
+    """What a :class:`Connection` needs of its server (event loop thread only)."""
+
+    @property
+    def config(self) -> ServerConfig: ...
+    @property
+    def limits(self) -> p.Limits: ...
+    @property
+    def store(self) -> ChunkStore: ...
+    @property
+    def metrics(self) -> ServerMetrics: ...
+    @property
+    def nixl(self) -> NixlEndpoint | None: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def uptime_s(self) -> float: ...
+    @property
+    def connections(self) -> Collection[Connection]: ...
+
+    def forget(self, conn: Connection) -> None:
+        """The connection has closed: drop it from the server's set."""
+
+    def stats_reply(self) -> p.StatsReply:
+        """The body of a STATS reply (the whole server's view)."""
 
 
 @dataclass
@@ -66,7 +101,7 @@ class ConnectionStats:
 
 
 class Connection:
-    def __init__(self, server: CacheServer, sock: socket.socket, peer: str, session: int) -> None:
+    def __init__(self, server: ConnectionHost, sock: socket.socket, peer: str, session: int) -> None:
         self.server = server
         self.store = server.store
         self.limits = server.limits
@@ -214,12 +249,7 @@ class Connection:
         if nixl is None or peer is None:
             raise p.UnknownMessageType("PUT_REMOTE needs the NIXL data path (none was set up)")
         ticket = self.store.begin_put(body.keys, body.sizes, body.overwrite)
-        slab = self.store.slab
-        local, remote = [], []
-        for slot, size, addr in zip(ticket.slots, ticket.sizes, body.addrs):
-            if slot >= 0:
-                local.append((slab.value_address(slot), size))
-                remote.append((addr, size))
+        local, remote = self._nixl_pairs(ticket.slots, ticket.sizes, body.addrs)
         ok = False
         try:
             ok = await nixl.transfer("READ", local, remote, peer)
@@ -227,6 +257,17 @@ class Connection:
             self.store.end_put(ticket, ok)
         self._finish_put(ticket.status, sum(n for _, n in local) if ok else 0, "nixl")
         await self._reply(p.MsgType.PUT_REMOTE, header.request_id, p.PutReply([int(s) for s in ticket.status]))
+
+    def _nixl_pairs(self, slots: list[int], sizes: list[int], addrs: list[int]
+                    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(local, remote) (address, size) runs of a ticket's slots (slot -1: left out) and the client's buffers."""
+        slab = self.store.slab
+        local, remote = [], []
+        for slot, size, addr in zip(slots, sizes, addrs):
+            if slot >= 0:
+                local.append((slab.value_address(slot), size))
+                remote.append((addr, size))
+        return local, remote
 
     def _finish_put(self, statuses: list[p.Status], nbytes: int, path: str) -> None:
         self.stats.put_keys += len(statuses)
@@ -250,12 +291,7 @@ class Connection:
             raise p.UnknownMessageType("GET_REMOTE needs the NIXL data path (none was set up)")
         ticket = await self.store.begin_get(body.keys, body.capacities, 1 << 62)
         try:
-            slab = self.store.slab
-            local, remote = [], []
-            for slot, size, addr in zip(ticket.slots, ticket.sizes, body.addrs):
-                if slot >= 0:
-                    local.append((slab.value_address(slot), size))
-                    remote.append((addr, size))
+            local, remote = self._nixl_pairs(ticket.slots, ticket.sizes, body.addrs)
             if not await nixl.transfer("WRITE", local, remote, peer):
                 for i, slot in enumerate(ticket.slots):
                     if slot >= 0:

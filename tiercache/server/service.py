@@ -89,7 +89,7 @@ class CacheServer:
             self.metrics.serve(self.config.metrics.port, self.config.metrics.host)
         self._tasks = [
             loop.create_task(self._accept_loop(listener), name="tiercache-accept"),
-            loop.create_task(self.store.run_pump(), name="tiercache-pump"),
+            loop.create_task(self.store.pump.run(), name="tiercache-pump"),
             loop.create_task(self._refresh_gauges(), name="tiercache-gauges"),
         ]
         if self.config.port_file is not None:
@@ -139,8 +139,8 @@ class CacheServer:
             task.cancel()
         if leftover:
             await asyncio.gather(*leftover, return_exceptions=True)
-        flushed = await self.store.flush(max(0.0, deadline - time.monotonic()) + 1.0)
-        self.store.stop()
+        flushed = await self.store.pump.flush(max(0.0, deadline - time.monotonic()) + 1.0)
+        self.store.pump.stop()
         for task in self._tasks[1:]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -15,21 +15,21 @@ pins its keys' slots (a lower-tier hit is first read into a host staging
 slot), the connection sends from the slots, and :meth:`ChunkStore.end_get`
 unpins them.
 
-The *pump* (:meth:`run_pump`, one task) moves bytes between the host slab and
-the lower tiers: queued deletes, write-through/write-back demotions, and the
-polling of every backend job (demotions and staged reads).
+The store's :class:`~tiercache.server.tier_pump.TierPump` (``store.pump``;
+the server runs ``pump.run()`` as one task) moves bytes between the host slab
+and the lower tiers: queued deletes, write-through/write-back demotions, the
+staged reads of gets, and the polling of every backend job.
 
 Threading: everything here runs on the event loop thread; the manager is
 never locked. Lower-tier backends run their own I/O threads on the slot views
-they are given, and drop them when they report the job (DESIGN.md section 5).
+they are given, and drop them when they report the job (the
+:class:`~tiercache.backend.Backend` contract).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,17 +37,16 @@ from tiercache.backend import Backend, BackendContext
 from tiercache.config.schema import ConfigError
 from tiercache.manager.directory import TierSpec
 from tiercache.manager.offloading import OffloadingManager
-from tiercache.tiers.registry import backend_class, create_backend
 from tiercache.server.config import ServerConfig
 from tiercache.server.protocol import Status, TierStats
 from tiercache.server.slab import Slab, slot_bytes_for
+from tiercache.server.tier_pump import TierPump
+from tiercache.tiers.registry import backend_class, create_backend
 
 logger = logging.getLogger(__name__)
 
 #: Namespace of the server's own lower tiers (the clients' namespaces are inside the keys).
 SERVER_NAMESPACE = b"tcserver"
-_IDLE_PUMP_S = 0.05
-_BUSY_PUMP_S = 0.0005
 
 
 @dataclass
@@ -73,14 +72,6 @@ class GetTicket:
     staged: list[bytes] = field(default_factory=list)  # keys this get reads from a lower tier
     host_hits: int = 0
     lower_hits: int = 0
-
-
-@dataclass
-class _TierJob:
-    kind: str  # "demote" or "stage"
-    tier: str
-    keys: tuple[bytes, ...]
-    future: asyncio.Future[set[bytes]] | None = None  # stage: resolves to the failed keys
 
 
 class ChunkStore:
@@ -115,17 +106,14 @@ class ChunkStore:
         self.slab = Slab(num_slots, config.max_value_bytes)  # after the config is known good
         self._tier_backend = {t.name: t.backend for t in config.tiers}
         self._capacity = {t.name: t.capacity for t in config.tiers}
-        self._jobs: dict[int, _TierJob] = {}
-        self._job_ids = itertools.count(1)
         # key -> resolved when the get that is staging it from a lower tier has ended (the
         # chunk is then READY in the host tier, or gone); other gets of the key wait for it
         self._staging: dict[bytes, asyncio.Future[None]] = {}
-        self._wake: asyncio.Event | None = None
-        self._stopping = False
         self.counters = dict.fromkeys(
             ("put_keys", "stored", "get_keys", "hits", "misses", "lower_hits", "tier_failures",
              "deleted"), 0,
         )
+        self.pump = TierPump(self.manager, self.backends, self.slab, self.counters)
         self._recover()
 
     # ------------------------------------------------------------------ start-up
@@ -133,7 +121,7 @@ class ChunkStore:
         """Adopt what persistent lower tiers still hold (a warm restart)."""
         for name, backend in self.backends.items():
             keys = list(backend.recover())
-            over = self.manager.adopt(name, keys)
+            over = self.manager.cascade.adopt(name, keys)
             if over:
                 backend.delete(over)
             if keys:
@@ -157,7 +145,7 @@ class ChunkStore:
     def delete(self, keys: Sequence[bytes]) -> int:
         dropped = self.manager.discard(list(dict.fromkeys(keys)))
         self.counters["deleted"] += dropped
-        self.wake()
+        self.pump.wake()
         return dropped
 
     # ------------------------------------------------------------------ puts
@@ -217,7 +205,7 @@ class ChunkStore:
                     ticket.status[i] = Status.FAILED
         self.manager.complete_store(ticket.stored, ok=ok)
         ticket.stored = []
-        self.wake()
+        self.pump.wake()
 
     # ------------------------------------------------------------------ gets
     async def begin_get(self, keys: Sequence[bytes], capacities: Sequence[int], max_payload: int) -> GetTicket:
@@ -246,7 +234,7 @@ class ChunkStore:
                 loop = asyncio.get_running_loop()
                 for key in ticket.staged:
                     self._staging[key] = loop.create_future()
-                reading = asyncio.ensure_future(self._stage(staged))
+                reading = asyncio.ensure_future(self.pump.stage(staged))
                 try:
                     failed = await asyncio.shield(reading)
                 except asyncio.CancelledError:
@@ -291,7 +279,7 @@ class ChunkStore:
         if ticket.pinned:
             self.manager.complete_load(ticket.pinned)
             ticket.pinned = []
-            self.wake()
+            self.pump.wake()
         for key in ticket.staged:
             done = self._staging.pop(key, None)
             if done is not None and not done.done():
@@ -304,104 +292,7 @@ class ChunkStore:
         ticket.pinned = []
         self.end_get(ticket)
 
-    async def _stage(self, staged: list[tuple[bytes, str, int]]) -> set[bytes]:
-        """Read lower-tier chunks into their host staging slots; the keys that failed."""
-        by_tier: dict[str, list[tuple[bytes, int]]] = {}
-        for key, tier, slot in staged:
-            by_tier.setdefault(tier, []).append((key, slot))
-        futures = []
-        loop = asyncio.get_running_loop()
-        for tier, items in by_tier.items():
-            keys = tuple(k for k, _ in items)
-            fut: asyncio.Future[set[bytes]] = loop.create_future()
-            job_id = next(self._job_ids)
-            self._jobs[job_id] = _TierJob("stage", tier, keys, fut)
-            try:
-                self.backends[tier].submit_get(job_id, list(keys), [self.slab.slot(s) for _, s in items])
-            except Exception:
-                logger.exception("server tier %s: a staged read failed to start", tier)
-                del self._jobs[job_id]
-                fut.set_result(set(keys))
-            futures.append(fut)
-        self.wake()
-        results = await asyncio.gather(*futures)
-        return set().union(*results)
-
-    # ------------------------------------------------------------------ the pump
-    def wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    async def run_pump(self) -> None:
-        """Deletes, demotions and backend polling, until :meth:`stop`."""
-        self._wake = asyncio.Event()
-        while not self._stopping:
-            busy = self.pump_once()
-            if busy:
-                await asyncio.sleep(_BUSY_PUMP_S)
-                continue
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), _IDLE_PUMP_S)
-            except asyncio.TimeoutError:
-                pass
-
-    def pump_once(self) -> bool:
-        """One round; True while backend jobs are in flight."""
-        manager = self.manager
-        for tier, keys in manager.take_deletes().items():
-            try:
-                self.backends[tier].delete(keys)
-            except Exception:
-                logger.exception("server tier %s: deleting %d chunks failed", tier, len(keys))
-        if self.backends:
-            for plan in manager.prepare_demotions():
-                job_id = next(self._job_ids)
-                self._jobs[job_id] = _TierJob("demote", plan.tier, plan.keys)
-                try:
-                    self.backends[plan.tier].submit_put(
-                        job_id, list(plan.keys), [self.slab.slot(s) for s in plan.host_slots]
-                    )
-                except Exception:
-                    logger.exception("server tier %s: a demotion failed to start", plan.tier)
-                    del self._jobs[job_id]
-                    manager.complete_demotion(plan.tier, plan.keys, failed=set(plan.keys))
-        for name, backend in self.backends.items():
-            try:
-                results = backend.poll()
-            except Exception:
-                logger.exception("server tier %s: poll failed", name)
-                continue
-            for result in results:
-                job = self._jobs.pop(result.job_id, None)
-                if job is None:
-                    continue
-                if result.failed_keys:
-                    self.counters["tier_failures"] += len(result.failed_keys)
-                if job.kind == "demote":
-                    manager.complete_demotion(job.tier, job.keys, failed=set(result.failed_keys))
-                elif job.future is not None and not job.future.done():
-                    job.future.set_result(set(result.failed_keys))
-        manager.take_events()  # nobody subscribes on the server; keep the list bounded
-        return bool(self._jobs)
-
-    async def flush(self, timeout: float) -> bool:
-        """Copy everything queued down to the lower tiers and wait for every job; True if done.
-
-        ``pump_once`` plans the next demotions itself, so the queue is empty
-        once a round ends with no job in flight.
-        """
-        deadline = time.monotonic() + timeout
-        while self.pump_once():
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(_BUSY_PUMP_S)
-        return True
-
-    def stop(self) -> None:
-        self._stopping = True
-        self.wake()
-
+    # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         for name, backend in self.backends.items():
             try:

@@ -31,8 +31,8 @@ import torch
 
 from tiercache import faults
 from tiercache.backend import Backend, BackendContext
-from tiercache.transfer.device import CopySegment
 from tiercache.testing.pipeline_rig import PipelineRig, rig_key
+from tiercache.transfer.device import CopySegment
 
 
 class EngineSideChecks:

@@ -1,7 +1,8 @@
 """Conformance checks of a backend seen through store shards, and of ``contains``.
 
-Mixed into :class:`tiercache.testing.conformance.BackendConformance`, so every
-backend's suite runs them against the real medium. The engine never hands a
+The base of :class:`tiercache.testing.conformance.BackendConformance`, so every
+backend's suite runs them against the real medium; they drive the backend
+through :class:`~tiercache.testing.conformance_harness.BackendHarness`. The engine never hands a
 backend whole rank chunks: it wraps it in a
 :class:`~tiercache.tiers.sharded_backend.ShardedBackend`, and these checks hold the
 pair to the rule of tiercache/shards.py: two processes that differ only in TP
@@ -16,26 +17,20 @@ and a TP=1 engine's chunk is two, head-major (pages ``[heads, ...]``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 from tiercache.backend import Backend, JobResult
-from tiercache.tiers.sharded_backend import ShardedBackend
 from tiercache.shards import HeadSlicer, head_shards
-
-if TYPE_CHECKING:
-    from tiercache.testing.conformance import BackendConformance
-
-    _Base = BackendConformance
-else:
-    _Base = object
+from tiercache.testing.conformance_harness import BackendHarness
+from tiercache.testing.payloads import make_key, make_payload
+from tiercache.tiers.sharded_backend import ShardedBackend
 
 HEADS = 2
 
 
-class StoreShardChecks(_Base):
+class StoreShardChecks(BackendHarness):
     """``test_*`` methods the kit runs for every backend (see the module docstring)."""
 
     def _engine(self, backend: Backend, tp_size: int, rank: int) -> ShardedBackend:
@@ -56,13 +51,9 @@ class StoreShardChecks(_Base):
         return self.wait(engine, [job])[job], bytes(buf)
 
     def _payloads(self, key: bytes, heads: Sequence[int]) -> bytes:
-        from tiercache.testing.conformance import make_payload
-
         return b"".join(make_payload(key, self.chunk_bytes, version=h) for h in heads)
 
     def test_ranks_are_apart(self) -> None:
-        from tiercache.testing.conformance import make_key
-
         backend = self.open()
         rank0, rank1 = self._engine(backend, 2, 0), self._engine(backend, 2, 1)
         key = make_key(40)
@@ -75,8 +66,6 @@ class StoreShardChecks(_Base):
             assert rank0.contains([key]) == [True]
 
     def test_tp_sizes_share_heads(self) -> None:
-        from tiercache.testing.conformance import make_key
-
         backend = self.open()
         tp1 = self._engine(backend, 1, 0)
         rank0, rank1 = self._engine(backend, 2, 0), self._engine(backend, 2, 1)
@@ -93,8 +82,6 @@ class StoreShardChecks(_Base):
             assert result.ok and got == self._payloads(b, [rank]), f"rank {rank} got another head"
 
     def test_contains(self) -> None:
-        from tiercache.testing.conformance import make_key
-
         backend = self.open()
         if not backend.shared:
             pytest.skip("contains() is asked of shared tiers only")
@@ -106,8 +93,6 @@ class StoreShardChecks(_Base):
         assert backend.contains(list(chunks)) == [False, True]
 
     def test_recover_lists_chunks_whose_shards_are_all_there(self) -> None:
-        from tiercache.testing.conformance import make_key
-
         if not self.persistent:
             pytest.skip("only persistent media recover")
         backend = self.open()

@@ -1,14 +1,16 @@
 """Runs a real vLLM engine from a JSON spec, in a subprocess, for end-to-end tests.
 
-The module is both:
+This is the engine side: the script
+``python -m tiercache.testing.engine_runner --spec spec.json --out result.json``
+sets the environment, imports vLLM, builds one ``vllm.LLM``, runs every round
+of the spec in order, and writes the result as JSON. The demo also calls its
+steps (``apply_env``, ``llm_kwargs``, ``generate``, ``request_record``) in its
+own process.
 
-- a script, ``python -m tiercache.testing.engine_runner --spec spec.json --out result.json``,
-  which sets the environment, imports vLLM, builds one ``vllm.LLM``, runs every
-  round of the spec in order, and writes the result as JSON; and
-- a library for pytest: ``run_engine(spec)`` runs that script in a fresh process
-  group (vLLM spawns worker processes and keeps global state, so engines never
-  run inside the pytest process), enforces a timeout, and returns the result.
-  ``random_prompts(...)`` builds token-id prompts.
+The test side, which starts this script in a fresh process group, enforces a
+timeout and returns the result (``run_engine(spec)``, :class:`EngineRun`,
+``random_prompts(...)``), lives in :mod:`tiercache.testing.engine_launch`;
+its names are re-exported here, where tests and benchmarks import them from.
 
 Spec (JSON object; only ``model_dir`` and ``rounds`` are required)::
 
@@ -80,159 +82,40 @@ import argparse
 import json
 import os
 import pathlib
-import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from tiercache.testing.engine_launch import (
+    REPO_ROOT,
+    EngineRun,
+    random_prompts,
+    run_engine,
+)
 from tiercache.testing.engine_metrics import cache_metrics, scrape_tiercache_metrics
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+__all__ = [
+    "DEFAULT_ENV",
+    "REPO_ROOT",
+    "EngineRun",
+    "apply_env",
+    "generate",
+    "llm_kwargs",
+    "main",
+    "random_prompts",
+    "request_record",
+    "round_kv_params",
+    "run_engine",
+    "run_spec",
+    "wait_at_barrier",
+    "worker_pid",
+]
+
 DEFAULT_ENV: dict[str, str] = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0",
 }
-LOG_TAIL_CHARS = 4000
-
-
-# --------------------------------------------------------------------------- library
-
-
-def random_prompts(
-    n: int,
-    length: int,
-    vocab: int = 1024,
-    seed: int = 0,
-    shared_prefix: list[int] | None = None,
-) -> list[list[int]]:
-    """``n`` prompts of ``length`` token ids in [3, vocab-1], optionally after a shared prefix.
-
-    ``length`` counts the random part only; ids 0-2 (pad/bos/eos) are never drawn.
-    """
-    rng = random.Random(seed)
-    prefix = list(shared_prefix or [])
-    return [prefix + [rng.randint(3, vocab - 1) for _ in range(length)] for _ in range(n)]
-
-
-def _subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    parts = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def _log_tail(log_path: pathlib.Path) -> str:
-    try:
-        return log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-    except OSError as exc:
-        return f"<no log: {exc}>"
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the runner's process group (engine core and workers included)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def run_engine(
-    spec: dict[str, Any],
-    timeout_s: float = 600,
-    workdir: pathlib.Path | None = None,
-) -> dict[str, Any]:
-    """Run one engine over ``spec`` in a subprocess and return the parsed result.
-
-    Raises RuntimeError (with the last 4000 characters of the log) when the
-    process fails, times out, or writes no result. ``workdir`` keeps the spec,
-    result and ``engine.log`` there instead of a temporary directory.
-    """
-    if workdir is None:
-        with tempfile.TemporaryDirectory(prefix="tiercache-e2e-") as tmp:
-            return EngineRun(spec, pathlib.Path(tmp)).result(timeout_s)
-    return EngineRun(spec, workdir).result(timeout_s)
-
-
-class EngineRun:
-    """One engine runner subprocess the test can talk to between rounds.
-
-    ``EngineRun(spec, workdir)`` starts the process at once (spec, result,
-    ``engine.log`` and the barrier files live in ``workdir``). Rounds with a
-    ``"barrier"`` wait for :meth:`release`; :meth:`wait_for` blocks until the
-    engine reached one. :meth:`result` waits for the end, kills the process
-    group whatever happens, and returns the parsed result.
-
-    Threads: one test thread drives an EngineRun.
-    """
-
-    def __init__(self, spec: dict[str, Any], workdir: pathlib.Path) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.workdir = workdir
-        self.barrier_dir = workdir / "barriers"
-        self.barrier_dir.mkdir(exist_ok=True)
-        for stale in self.barrier_dir.iterdir():
-            stale.unlink()
-        spec = {**spec, "barrier_dir": str(self.barrier_dir)}
-        self.spec_path, self.out_path = workdir / "spec.json", workdir / "result.json"
-        self.log_path = workdir / "engine.log"
-        self.spec_path.write_text(json.dumps(spec))
-        self.out_path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tiercache.testing.engine_runner",
-               "--spec", str(self.spec_path), "--out", str(self.out_path)]
-        self._started = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_subprocess_env(), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_for(self, barrier: str, timeout_s: float = 600) -> None:
-        """Block until the engine reached ``barrier`` (RuntimeError if it died or timed out)."""
-        reached = self.barrier_dir / f"{barrier}.reached"
-        deadline = time.monotonic() + timeout_s
-        while not reached.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine runner exited (rc={self.proc.returncode}) before barrier "
-                                   f"{barrier!r}; log tail:\n{_log_tail(self.log_path)}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"engine did not reach barrier {barrier!r} in {timeout_s:.0f}s; "
-                                   f"log tail:\n{_log_tail(self.log_path)}")
-            time.sleep(0.05)
-
-    def partial(self, barrier: str) -> dict[str, Any]:
-        """The rounds the engine finished before ``barrier`` (after :meth:`wait_for`)."""
-        return json.loads((self.barrier_dir / f"{barrier}.partial.json").read_text())
-
-    def release(self, barrier: str) -> None:
-        """Let the engine start the round waiting at ``barrier``."""
-        (self.barrier_dir / f"{barrier}.go").touch()
-
-    def kill(self) -> None:
-        _kill_group(self.proc)
-        self.proc.wait()
-
-    def result(self, timeout_s: float = 600) -> dict[str, Any]:
-        """Wait for the runner (``timeout_s`` counted from its start) and return its result."""
-        remaining = max(1.0, timeout_s - (time.monotonic() - self._started))
-        try:
-            rc = self.proc.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise RuntimeError(
-                f"engine runner timed out after {timeout_s:.0f}s; log tail:\n{_log_tail(self.log_path)}"
-            ) from None
-        finally:
-            _kill_group(self.proc)  # reap any engine process left behind
-        if rc != 0 or not self.out_path.is_file():
-            raise RuntimeError(f"engine runner failed (rc={rc}); log tail:\n{_log_tail(self.log_path)}")
-        return json.loads(self.out_path.read_text())
-
-
-# --------------------------------------------------------------------------- script
 
 
 def apply_env(spec: dict[str, Any]) -> None:

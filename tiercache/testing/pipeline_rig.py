@@ -17,11 +17,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tiercache.backend import Backend, BackendContext, JobResult
-from tiercache.transfer.device import CopySegment
+from tiercache.jobs import DemoteJob
 from tiercache.layout import KVBlockLayout
-from tiercache.transfer.pipeline import DemoteJobSpec, WorkerPipeline
+from tiercache.testing.job_builders import make_job
 from tiercache.tiers.tier_io import TierIO
-from tiercache.transfer.engine import TransferEngine, TransferJobSpec
+from tiercache.transfer.device import CopySegment
+from tiercache.transfer.engine import TransferEngine
+from tiercache.transfer.pipeline import WorkerPipeline
 
 NUM_BLOCKS, BPC, SLOTS = 16, 2, 6
 NAMESPACE = b"\x07" * 8
@@ -66,12 +68,12 @@ class PipelineRig:
 
     def store(self, k: bytes, slot: int, block_ids: tuple[int, ...]) -> JobResult:
         job = self.job()
-        self.pipe.submit(TransferJobSpec(job, "r", "store", (k,), (CopySegment(slot, 0, block_ids),)))
+        self.pipe.submit(make_job(job, "r", "store", (k,), (CopySegment(slot, 0, block_ids),)))
         return self.result(job)
 
     def demote(self, k: bytes, slot: int) -> JobResult:
         job = self.job()
-        self.pipe.submit_demote(DemoteJobSpec(job, TIER, (k,), (slot,)))
+        self.pipe.submit_demote(DemoteJob(job, TIER, (k,), (slot,)))
         return self.result(job)
 
     def store_and_demote(self, k: bytes, slot: int, block_ids: tuple[int, ...]) -> JobResult:
@@ -84,7 +86,7 @@ class PipelineRig:
         """Run a load to its result: (job id, seconds waited, result)."""
         job = self.job()
         start = time.perf_counter()
-        self.pipe.submit(TransferJobSpec(job, "r", "load", keys, segments), tiers)
+        self.pipe.submit(make_job(job, "r", "load", keys, segments, tiers))
         res = self.result(job)
         return job, time.perf_counter() - start, res
 

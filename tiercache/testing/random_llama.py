@@ -4,7 +4,7 @@ vLLM's ``load_format="dummy"`` fills every weight (norms included) with tiny
 uniform values, so attention is flat and the next greedy token depends on the
 current token only: a KV connector that loads garbage still yields the "right"
 output. This module writes a real ``model.safetensors`` whose weights are
-random but scaled from the config (see ``shared/models/NOTES.md``):
+random but scaled from the config:
 
 - RMSNorm weights are 1, so every normalised activation has rms ~1;
 - q/k projections give attention scores with std ~``SCORE_STD`` (sharp

@@ -10,8 +10,11 @@ and is then named in YAML exactly like a built-in (``backend: mystore``).
 A class may also be named by its import path without any registration
 (``backend: "mypkg.store:MyStoreBackend"``), as the test kit's misbehaving
 backends are (tiercache/testing/faulty_backends.py).
-Built-ins are registered the same way in tiercache's own pyproject.toml; the
-table below is the fallback for a source checkout that was never installed.
+Built-in lower tiers are registered the same way in tiercache's own pyproject.toml;
+the table below is the fallback for a source checkout that was never installed.
+The host tier (``backend: cpu``, always first) is not among them: it is the core's
+own slab (tiercache/transfer/host_slab.py), never constructed here, and the config
+refuses ``cpu`` for any other tier.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from tiercache.config.schema import ConfigError, TierConfig
 
 ENTRY_POINT_GROUP = "tiercache.backends"
 BUILTIN_BACKENDS: dict[str, str] = {
-    "cpu": "tiercache.transfer.host_slab:HostTier",
     "disk": "tiercache.backends.disk.backend:DiskBackend",
     "lmdb": "tiercache.backends.lmdb.backend:LMDBBackend",
     "redis": "tiercache.backends.redis.backend:RedisBackend",

@@ -1,8 +1,8 @@
 """Asynchronous lookups in shared tiers (Redis, the cache server), off the scheduler thread.
 
 A shared tier is written by other engines too, so the manager cannot know what
-it holds; it has to ask. Asking must never block vLLM's scheduler (DESIGN.md
-section 3): :meth:`SharedLookup.ask` starts a ``Backend.contains`` call on a
+it holds; it has to ask. Asking must never block vLLM's scheduler (docs/architecture.md,
+Shared tiers): :meth:`SharedLookup.ask` starts a ``Backend.contains`` call on a
 small thread pool and returns at once, the connector answers vLLM "not yet"
 (``None``), and on a later step :meth:`answer` hands back which leading keys
 each tier holds. A tier that does not answer within ``timeout_s`` or fails

@@ -1,6 +1,8 @@
 """Device copiers: move blocks between the engine's KV cache and host-tier slots.
 
-Two implementations behind one small interface (each in its own module):
+This module is the contract (:class:`BlockCopier`, the job types, the segment
+copies every copier shares); two implementations stand behind it, each in its own
+module, and :func:`tiercache.transfer.copiers.make_copier` picks one:
 
 * :class:`~tiercache.transfer.host_copier.HostThreadCopier` (CPU platform, any host-resident KV):
   copies run on background threads (two by default), so submitting never
@@ -41,20 +43,12 @@ from typing import Literal
 
 import torch
 
+from tiercache.jobs import CopySegment
 from tiercache.layout import KVBlockLayout, block_runs, paired_runs, plane_blocks
 
 logger = logging.getLogger(__name__)
 
 Direction = Literal["store", "load"]
-
-
-@dataclass(frozen=True, slots=True)
-class CopySegment:
-    """Blocks ``block_ids`` of the engine <-> positions ``first_block..`` of chunk slot ``slot``."""
-
-    slot: int
-    first_block: int
-    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,24 +202,3 @@ def default_copy_threads() -> int:
     except AttributeError:  # not Linux
         usable = os.cpu_count() or 1
     return max(1, min(2, usable))
-
-
-def make_copier(
-    layout: KVBlockLayout,
-    slab: torch.Tensor,
-    blocks_per_chunk: int,
-    copy_threads: int | None = None,
-    planes: Sequence[torch.Tensor] | None = None,
-) -> BlockCopier:
-    """The right copier for where the engine's KV lives (``copy_threads``: host KV only).
-
-    ``planes``: the slab is in layout planes (:func:`tiercache.layout.slab_planes`).
-    """
-    if layout.device.type == "cuda":
-        from tiercache.transfer.cuda_copier import CudaStreamCopier
-
-        return CudaStreamCopier(layout, slab, blocks_per_chunk, planes=planes)
-    from tiercache.transfer.host_copier import HostThreadCopier
-
-    return HostThreadCopier(layout, slab, blocks_per_chunk, threads=copy_threads, planes=planes)
-

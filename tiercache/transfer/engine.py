@@ -1,8 +1,9 @@
 """The TransferEngine: executes load and store jobs on the worker side; never decides.
 
-Input is :class:`TransferJobSpec` (built by the scheduler-side connector from
-the manager's plans); output is one :class:`~tiercache.backend.JobResult` per
-job, failures included. Submission never blocks; :meth:`poll` collects what has
+Input is a :class:`~tiercache.jobs.LoadJob` whose chunks all sit in host
+slots (the pipeline has staged the others, or handed them to a reader) or a
+:class:`~tiercache.jobs.StoreJob`; output is one
+:class:`~tiercache.backend.JobResult` per job, failures included. Submission never blocks; :meth:`poll` collects what has
 finished. The engine owns the host tier's slab and the device copier.
 
 Fault injection (``faults`` in the config, or ``TIERCACHE_FAULTS__FAIL_LOADS=1``)
@@ -16,35 +17,21 @@ Threading: every method is called from the worker's main thread.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from tiercache.backend import JobResult
-from tiercache.transfer.host_slab import HostTier
+from tiercache.transfer.host_slab import HostSlab
 from tiercache.config.schema import FaultConfig
-from tiercache.transfer.device import BlockCopier, CopyJob, CopySegment, Direction, make_copier, zero_blocks
+from tiercache.transfer.copiers import make_copier
+from tiercache.jobs import LoadJob, TransferJob
+from tiercache.transfer.device import BlockCopier, CopyJob, Direction, zero_blocks
 from tiercache.layout import KVBlockLayout, SlotLayout, slab_planes
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class TransferJobSpec:
-    """One job: ``keys[i]`` moves between host slot and engine blocks per ``segments[i]``."""
-
-    job_id: int
-    req_id: str
-    direction: Direction
-    keys: tuple[bytes, ...]
-    segments: tuple[CopySegment, ...]
-
-    def block_ids(self) -> list[int]:
-        return [b for seg in self.segments for b in seg.block_ids]
-
-
 class TransferEngine:
-    """Owns the host slab and the copier; turns job specs into copies and results."""
+    """Owns the host slab and the copier; turns load and store jobs into copies and results."""
 
     def __init__(
         self,
@@ -52,7 +39,7 @@ class TransferEngine:
         blocks_per_chunk: int,
         num_slots: int,
         faults: FaultConfig | None = None,
-        host: HostTier | None = None,
+        host: HostSlab | None = None,
         copy_threads: int | None = None,
         prefault_host: bool = False,
         huge_host: bool = False,
@@ -60,8 +47,8 @@ class TransferEngine:
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = blocks_per_chunk
-        self.host = host or HostTier(num_slots, layout.slot_bytes(blocks_per_chunk), prefault=prefault_host,
-                                      huge_pages=huge_host)
+        self.host = host or HostSlab(num_slots, layout.slot_bytes(blocks_per_chunk), prefault=prefault_host,
+                                     huge_pages=huge_host)
         if self.host.slot_bytes != layout.slot_bytes(blocks_per_chunk):
             raise ValueError(
                 f"host tier slot is {self.host.slot_bytes} bytes, the engine's chunk is "
@@ -75,22 +62,27 @@ class TransferEngine:
             layout, self.host.slab, blocks_per_chunk, copy_threads=copy_threads, planes=self.planes
         )
         self.faults = faults or FaultConfig()
-        self._inflight: dict[int, TransferJobSpec] = {}
+        self._inflight: dict[int, TransferJob] = {}
         self._failed_now: list[JobResult] = []
 
-    def submit(self, spec: TransferJobSpec) -> None:
-        """Start a job; its result arrives through :meth:`poll`."""
-        if spec.direction == "load" and self.faults.fail_loads:
-            self._failed_now.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
+    def submit(self, job: TransferJob) -> None:
+        """Start a job; its result arrives through :meth:`poll`. A load's chunks must all sit in host slots."""
+        load = isinstance(job, LoadJob)
+        if load and self.faults.fail_loads:
+            self._failed_now.append(JobResult(job.job_id, (), job.keys, 0, 0.0))
             return
-        self._inflight[spec.job_id] = spec
+        self._inflight[job.job_id] = job
+        direction: Direction = "load" if load else "store"
         try:
-            self.copier.submit(CopyJob(spec.job_id, spec.direction, spec.segments))
+            segments = job.segments
+            if any(seg.slot < 0 for seg in segments):
+                raise ValueError("a chunk without a host slot reached the copier")
+            self.copier.submit(CopyJob(job.job_id, direction, segments))
         except Exception as exc:  # noqa: BLE001 - a copy that cannot start is a failed job
-            del self._inflight[spec.job_id]
-            logger.warning("tiercache %s job %d not started: %s: %s", spec.direction, spec.job_id,
+            del self._inflight[job.job_id]
+            logger.warning("tiercache %s job %d not started: %s: %s", direction, job.job_id,
                            type(exc).__name__, exc)
-            self._failed_now.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
+            self._failed_now.append(JobResult(job.job_id, (), job.keys, 0, 0.0))
 
     def fence_stores(self) -> None:
         """Block reuse barrier: call before a forward pass may overwrite engine blocks."""
@@ -105,14 +97,15 @@ class TransferEngine:
     def _collect(self, finished: list) -> list[JobResult]:
         results, self._failed_now = self._failed_now, []
         for done in finished:
-            spec = self._inflight.pop(done.job_id)
+            job = self._inflight.pop(done.job_id)
+            load = isinstance(job, LoadJob)
             if not done.ok:
-                logger.warning("tiercache %s job %d failed: %s", spec.direction, spec.job_id, done.error)
-                results.append(JobResult(spec.job_id, (), spec.keys, 0, done.secs))
+                logger.warning("tiercache %s job %d failed: %s", "load" if load else "store", job.job_id, done.error)
+                results.append(JobResult(job.job_id, (), job.keys, 0, done.secs))
                 continue
-            if spec.direction == "load" and self.faults.corrupt_loads:
-                zero_blocks(self.layout, spec.block_ids())
-            results.append(JobResult(spec.job_id, spec.keys, (), done.bytes, done.secs))
+            if load and self.faults.corrupt_loads:
+                zero_blocks(self.layout, job.block_ids())
+            results.append(JobResult(job.job_id, job.keys, (), done.bytes, done.secs))
         return results
 
     def shutdown(self) -> None:

@@ -1,31 +1,35 @@
-"""The host-memory tier: one pre-allocated slab of fixed-size chunk slots.
+"""The host slab: the host tier's memory, one pre-allocated slab of fixed-size chunk slots.
 
-The slab is allocated once, at start-up, from the tier's byte budget (pinned
+The slab is allocated once, at start-up, from the host tier's byte budget (pinned
 when CUDA is present, so device copies can be asynchronous DMA), as a
 ``(num_slots, slot_bytes)`` tensor. The scheduler-side manager hands out slot
 numbers; how a chunk's bytes sit in the slab is the TransferEngine's choice
 (:mod:`tiercache.layout`): ``slots``, chunk slot ``i`` is row ``i``
-(:meth:`HostTier.slot`), or ``planes``, one plane per KV region across
+(:meth:`HostSlab.slot`), or ``planes``, one plane per KV region across
 all rows (the row then holds no single chunk).
 
-Ownership: the slab belongs to this object for the life of the worker;
-backends and copiers get views and must not keep them past their job.
-As a :class:`~tiercache.backend.Backend` it also serves keyed put/get (used by
-the conformance kit and by standalone tools), with its own key->slot map.
+The host tier (``backend: cpu``, always the first tier) is the core's own, not a
+backend plugin: the TransferEngine owns its :class:`HostSlab` for the life of the
+worker; lower-tier backends and copiers get views and must not keep them past their
+job. A keyed put/get over a slab, for the conformance kit and tests, is
+:class:`tiercache.testing.memory_backend.MemoryBackend`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from tiercache.backend import Backend, JobResult
-from tiercache.transfer.huge_pages import HugePageReport, advise_huge, aligned_interior, collapse_huge, huge_bytes_in
+from tiercache.transfer.huge_pages import (
+    HugePageReport,
+    advise_huge,
+    aligned_interior,
+    collapse_huge,
+    huge_bytes_in,
+)
 
 _PAGE_BYTES = 4096  # the smallest page: touching one byte of each commits the whole slab
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -56,8 +60,13 @@ def touch_pages(buf: np.ndarray) -> None:
     buf[first::_PAGE_BYTES] = 0
 
 
-class HostTier(Backend):
-    name = "cpu"
+class HostSlab:
+    """``num_slots`` rows of ``slot_bytes`` bytes, committed now or as written (see ``prefault``).
+
+    Plain memory with no state of its own: whoever holds a slot number (the engine's
+    copier, a lower tier's job) reads and writes that row; the manager's plans keep two
+    writers off one slot.
+    """
 
     def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None,
                  prefault: bool = False, huge_pages: bool = False) -> None:
@@ -74,17 +83,17 @@ class HostTier(Backend):
         # so the budget is reserved, not committed, until chunks arrive, unless
         # ``prefault``. Pinned: the whole slab is committed and page-locked here.
         self.slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
-        self._slab_bytes = self.slab.numpy()  # the same memory, for the keyed copies
         self.prefaulted = prefault and not pin_memory
         self.huge_pages: HugePageReport | None = None  # what huge_pages got, if asked
         if self.prefaulted:
             start = time.perf_counter()
-            addr, nbytes = int(self._slab_bytes.ctypes.data), self._slab_bytes.nbytes
+            flat = self.slab.numpy().reshape(-1)  # the same memory
+            addr, nbytes = int(flat.ctypes.data), flat.nbytes
             # before the first touch, so that it faults in whole 2 MiB pages
             advised = advise_huge(addr, nbytes) if huge_pages else None
             # a NIXL read (CMA) or copy into a page never touched pays a fault per page, which
             # ran ~40x slower (config: tiers.0.options.prefault)
-            commit_pages(self._slab_bytes.reshape(-1))
+            commit_pages(flat)
             if advised is not None:
                 huge, failure = huge_bytes_in(addr, nbytes), advised.failure
                 if failure is None and huge < aligned_interior(addr, nbytes)[1]:
@@ -92,11 +101,6 @@ class HostTier(Backend):
                     failure = collapse_huge(addr, nbytes).failure
                     huge = huge_bytes_in(addr, nbytes)
                 self.huge_pages = HugePageReport(nbytes, huge, time.perf_counter() - start, failure)
-        # Keyed Backend interface (not used by the connector's slot path).
-        self._key_slots: dict[bytes, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._results: list[JobResult] = []
-        self._lock = threading.Lock()
 
     @property
     def capacity_bytes(self) -> int:
@@ -106,69 +110,5 @@ class HostTier(Backend):
         """Row ``index`` of the slab as a 1-D uint8 tensor view (chunk slot ``index`` in layout ``slots``)."""
         return self.slab[index]
 
-    # ---------------------------------------------------- keyed Backend API
-    # Copies go through numpy: it reads read-only buffers (bytes) without
-    # complaint, refuses to write into them, and copies on this thread only.
-    def submit_put(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
-        start = time.perf_counter()
-        ok: list[bytes] = []
-        failed: list[bytes] = []
-        moved = 0
-        for key, view in zip(keys, views):
-            src = _bytes_of(view)
-            slot = self._key_slots.get(key)
-            if src is None or src.size > self.slot_bytes or (slot is None and not self._free):
-                failed.append(key)
-                continue
-            if slot is None:
-                slot = self._key_slots[key] = self._free.pop()
-            self._slab_bytes[slot, : src.size] = src
-            moved += src.size
-            ok.append(key)
-        self._push(JobResult(job_id, tuple(ok), tuple(failed), moved, time.perf_counter() - start))
-
-    def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
-        start = time.perf_counter()
-        ok: list[bytes] = []
-        failed: list[bytes] = []
-        moved = 0
-        for key, view in zip(keys, views):
-            slot = self._key_slots.get(key)
-            dst = _bytes_of(view)
-            if slot is None or dst is None or not dst.flags.writeable or dst.size > self.slot_bytes:
-                failed.append(key)
-                continue
-            dst[...] = self._slab_bytes[slot, : dst.size]
-            moved += dst.size
-            ok.append(key)
-        self._push(JobResult(job_id, tuple(ok), tuple(failed), moved, time.perf_counter() - start))
-
-    def _push(self, result: JobResult) -> None:
-        with self._lock:
-            self._results.append(result)
-
-    def poll(self) -> list[JobResult]:
-        with self._lock:
-            results, self._results = self._results, []
-        return results
-
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return [k in self._key_slots for k in keys]
-
-    def delete(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            slot = self._key_slots.pop(key, None)
-            if slot is not None:
-                self._free.append(slot)
-
     def close(self) -> None:
-        self._key_slots.clear()
-        self._results.clear()
-
-
-def _bytes_of(view: memoryview) -> np.ndarray | None:
-    """The bytes of ``view`` as a flat uint8 array over the same memory; None if not contiguous."""
-    try:
-        return np.frombuffer(view, dtype=np.uint8)
-    except (ValueError, TypeError, BufferError):
-        return None
+        """Nothing to release: the memory goes with the last reference to :attr:`slab`."""

@@ -3,14 +3,14 @@
 Jobs arriving from the scheduler, and what happens to them:
 
 * store: engine blocks -> host slot (TransferEngine);
-* load: host slot -> engine blocks; when some chunks live in a lower tier
-  (``stage_tiers[i]`` names it), those are first read into their host staging
-  slots, and the device copy starts once every staged read has ended: one job,
-  lower tier -> host -> device. A chunk whose staged read failed is left out of
-  the device copy and reported failed (vLLM recomputes it). A chunk of a
-  *direct* tier (one with a :class:`BlockReader`: a P/D producer in mode
-  direct) is read by that reader straight into its engine blocks, beside the
-  staged reads; it takes no part in the device copy;
+* load (a :class:`~tiercache.jobs.LoadJob`): host slot -> engine blocks; a
+  chunk whose source is a lower tier (:class:`~tiercache.jobs.FromTier`) is
+  first read into its host staging slot, and the device copy starts once every
+  staged read has ended: one job, lower tier -> host -> device. A chunk whose
+  staged read failed is left out of the device copy and reported failed (vLLM
+  recomputes it). A chunk of a *direct* tier (:class:`~tiercache.jobs.FromReader`:
+  a P/D producer, read by its :class:`BlockReader`) is read straight into its
+  engine blocks, beside the staged reads; it takes no part in the device copy;
 * demote: host slot -> lower tier (TierIO);
 * delete: lower-tier keys evicted by the manager (TierIO's housekeeping lanes).
 
@@ -47,32 +47,24 @@ from typing import Protocol
 
 from tiercache import faults
 from tiercache.backend import JobResult
-from tiercache.transfer.device import CopySegment
+from tiercache.jobs import DemoteJob, FromReader, FromTier, LoadChunk, LoadJob, TransferJob
 from tiercache.tiers.tier_io import TierIO
-from tiercache.transfer.engine import TransferEngine, TransferJobSpec
-
-
-@dataclass(frozen=True, slots=True)
-class DemoteJobSpec:
-    """Copy host slots ``host_slots[i]`` into lower tier ``tier`` under ``keys[i]``."""
-
-    job_id: int
-    tier: str
-    keys: tuple[bytes, ...]
-    host_slots: tuple[int, ...]
+from tiercache.transfer.engine import TransferEngine
 
 
 class BlockReader(Protocol):
     """A tier whose chunks are read straight into engine blocks (no host slot)."""
 
-    def submit_blocks(self, job_id: int, keys: Sequence[bytes], segments: Sequence[CopySegment]) -> None: ...
+    def read_chunks(self, job_id: int, chunks: Sequence[LoadChunk]) -> None:
+        """Start reading ``chunks`` (each a :class:`~tiercache.jobs.FromReader` of this tier) into their blocks."""
+        ...
 
     def poll_blocks(self) -> list[JobResult]: ...
 
 
 @dataclass
 class _StagedLoad:
-    spec: TransferJobSpec
+    job: LoadJob
     waiting: set[str]
     tier_keys: dict[str, tuple[bytes, ...]]  # the keys each staged tier reads
     deadline: float
@@ -127,41 +119,38 @@ class WorkerPipeline:
         self._reports: list[JobResult] = []
 
     # ------------------------------------------------------------ submission
-    def submit(self, spec: TransferJobSpec, stage_tiers: Sequence[str | None] = ()) -> None:
+    def submit(self, job: TransferJob) -> None:
         """Start a job; raises only before anything was started (the caller fails the job then)."""
-        if spec.direction != "load" or not any(stage_tiers):
-            self.engine.submit(spec)
+        if not isinstance(job, LoadJob) or all(not isinstance(c.source, (FromTier, FromReader)) for c in job.chunks):
+            self.engine.submit(job)
             return
-        by_tier: dict[str, tuple[list[bytes], list[int]]] = {}
-        direct: dict[str, tuple[list[bytes], list[CopySegment]]] = {}
-        for key, seg, tier in zip(spec.keys, spec.segments, stage_tiers):
-            if tier in self.block_readers:
-                keys, segs = direct.setdefault(tier, ([], []))
-                keys.append(key)
-                segs.append(seg)
-            elif tier:
-                keys, slots = by_tier.setdefault(tier, ([], []))
-                keys.append(key)
-                slots.append(seg.slot)
-        if by_tier and self.tier_io is None:
-            self._ready.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
+        staged: dict[str, list[LoadChunk]] = {}
+        direct: dict[str, list[LoadChunk]] = {}
+        for chunk in job.chunks:
+            if isinstance(chunk.source, FromReader):
+                direct.setdefault(chunk.source.tier, []).append(chunk)
+            elif isinstance(chunk.source, FromTier):
+                staged.setdefault(chunk.source.tier, []).append(chunk)
+        if (staged and self.tier_io is None) or any(t not in self.block_readers for t in direct):
+            self._ready.append(JobResult(job.job_id, (), job.keys, 0, 0.0))
             return
-        direct_keys = {k for keys, _ in direct.values() for k in keys}
-        tier_keys = {tier: tuple(keys) for tier, (keys, _) in by_tier.items()}
-        self._staging[spec.job_id] = _StagedLoad(spec, set(by_tier) | set(direct), tier_keys,
-                                                 time.perf_counter() + self.load_deadline_s, direct_keys)
+        direct_keys = {c.key for chunks in direct.values() for c in chunks}
+        tier_keys = {tier: tuple(c.key for c in chunks) for tier, chunks in staged.items()}
+        self._staging[job.job_id] = _StagedLoad(job, set(staged) | set(direct), tier_keys,
+                                                time.perf_counter() + self.load_deadline_s, direct_keys)
         # From here on the job is registered: every part ends in _staged_read_done, whatever happens.
-        for tier, (keys, slots) in by_tier.items():
-            assert self.tier_io is not None
-            self.tier_io.get(spec.job_id, tier, keys, slots)  # never raises: failures come from poll
-        for tier, (keys, segs) in direct.items():
+        for tier, chunks in staged.items():
+            assert self.tier_io is not None  # never raises: failures come from poll
+            self.tier_io.get(job.job_id, tier, [c.key for c in chunks], [c.segment().slot for c in chunks])
+        for tier, chunks in direct.items():
             try:
-                self.block_readers[tier].submit_blocks(spec.job_id, keys, segs)
+                self.block_readers[tier].read_chunks(job.job_id, chunks)
             except Exception as exc:  # noqa: BLE001 - a reader that cannot start fails its keys
                 faults.record(faults.READER_EXCEPTION, exc, where=f"{tier}.submit")
-                self._staged_read_done(tier, JobResult(spec.job_id, (), tuple(keys), 0, 0.0), self._ready)
+                self._staged_read_done(tier, JobResult(job.job_id, (), tuple(c.key for c in chunks), 0, 0.0),
+                                       self._ready)
 
-    def submit_demote(self, spec: DemoteJobSpec) -> None:
+    def submit_demote(self, spec: DemoteJob) -> None:
         if self.tier_io is None:
             self._ready.append(JobResult(spec.job_id, (), spec.keys, 0, 0.0))
             return
@@ -299,27 +288,20 @@ class WorkerPipeline:
         if staged.waiting:
             return
         del self._staging[res.job_id]
-        spec = staged.spec
+        job = staged.job
+        keys = job.keys
         if staged.abandoned:
-            staged.failed.update(spec.keys)
-        direct_ok = tuple(k for k in spec.keys if k in staged.direct and k not in staged.failed)
-        keep = [i for i, key in enumerate(spec.keys) if key not in staged.failed and key not in staged.direct]
+            staged.failed.update(keys)
+        direct_ok = tuple(k for k in keys if k in staged.direct and k not in staged.failed)
+        keep = {k for k in keys if k not in staged.failed and k not in staged.direct}
         if not keep:
-            failed = tuple(k for k in spec.keys if k in staged.failed)
-            out.append(JobResult(spec.job_id, direct_ok, failed, staged.direct_bytes,
+            failed = tuple(k for k in keys if k in staged.failed)
+            out.append(JobResult(job.job_id, direct_ok, failed, staged.direct_bytes,
                                  time.perf_counter() - staged.started))
             return
         if staged.failed or direct_ok:
-            self._settled[spec.job_id] = _Settled(staged.failed, direct_ok, staged.direct_bytes)
-        self.engine.submit(
-            TransferJobSpec(
-                spec.job_id,
-                spec.req_id,
-                "load",
-                tuple(spec.keys[i] for i in keep),
-                tuple(spec.segments[i] for i in keep),
-            )
-        )
+            self._settled[job.job_id] = _Settled(staged.failed, direct_ok, staged.direct_bytes)
+        self.engine.submit(job.only(keep))  # every chunk left sits in its host slot now
 
     def wait_for(self, job_ids: Iterable[int], timeout_s: float | None = None) -> list[JobResult]:
         """Poll until every job in ``job_ids`` has a result (others that finish are returned too).

@@ -1,0 +1,36 @@
+"""What the scheduler half keeps between steps: per request, and per job until every worker reported it.
+
+Owned by :class:`tiercache.connector.scheduler.TierCacheScheduler`; touched on
+vLLM's scheduler thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@dataclass
+class RequestState:
+    """A request the connector has looked up or stores for."""
+
+    request: Request
+    next_store_chunk: int = 0  # chunks below this were offered to the manager already
+    lookup_local_tokens: int | None = None  # vLLM's own hit, from get_num_new_matched_tokens
+    lookup_hit_tokens: int = 0
+    shared_asked: bool = False  # the shared tiers answered for this request already
+    tail_stored: bool = False  # P/D producer, via_host: the prompt's tail was offered to the host tier
+
+
+@dataclass
+class JobRecord:
+    """A job of any kind (load, store, demote) until all ``reports_left`` workers reported it."""
+
+    direction: str  # load | store | demote
+    owner: str  # the request (load, store), or the lower tier a demotion writes
+    keys: tuple[bytes, ...]
+    reports_left: int
+    failed: set[bytes] = field(default_factory=set)

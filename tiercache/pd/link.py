@@ -1,0 +1,177 @@
+"""The consumer's end of the P/D side channel: one link per producer rank, and the set of them.
+
+:class:`PeerLink` shakes hands with one producer rank (the messages:
+:mod:`tiercache.pd.channel`): it sends our fingerprint, checks the producer's
+answer (:func:`tiercache.pd.heads.tp_mismatches`), keeps the addresses the
+answer names (host slab and its tags, a planes slab's planes, mode direct's KV
+blocks and their tags, the pages by KV head) and loads the producer's NIXL
+agent into ours. Its socket stays open for the one-way read notices
+(:meth:`PeerLink.notify_read`).
+
+:class:`PeerLinks` holds a consumer's links by producer address: a handshake
+is retried in short attempts until the read timeout (a producer answers
+between its engine steps, or may be restarting), a refusal is remembered (the
+producer is never asked again), and a link that failed is dropped (its agent
+removed from ours) so the next read shakes hands afresh.
+
+Threads: a link, and the :class:`PeerLinks` holding it, are used by one
+thread at a time (the consumer reader's, under its ``_io_lock``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tiercache.pd.blocks import BlockRegions
+from tiercache.pd.channel import REPLY_TIMEOUT_S, ChannelError, recv_message, send_message
+from tiercache.pd.heads import PageHeads, tp_mismatches
+
+logger = logging.getLogger(__name__)
+
+HELLO_ATTEMPT_S = 1.0  # one handshake attempt's timeout; attempts repeat until the read timeout
+
+Address = tuple[str, int]  # a producer rank's side channel: (host, port)
+
+
+class PeerLink:
+    """Consumer: the handshake with one producer rank (its agent added to ours)."""
+
+    def __init__(self, host: str, port: int, fingerprint: dict[str, Any], agent: Any, timeout_s: float) -> None:
+        self.address = f"{host}:{port}"
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as exc:
+            raise ChannelError(f"producer {self.address} unreachable: {exc}") from exc
+        self._sock = sock  # kept open: read notices go over it
+        try:
+            metadata = self._hello(fingerprint)
+        except ChannelError:
+            sock.close()
+            raise
+        name = agent.add_remote_agent(metadata)
+        self.agent_name = name.decode() if isinstance(name, bytes) else str(name)
+    def _hello(self, fingerprint: dict[str, Any]) -> bytes:
+        """The handshake: check the producer's answer, keep its addresses; its agent metadata."""
+        try:
+            send_message(self._sock, {"op": "hello", "fingerprint": fingerprint})
+            reply = recv_message(self._sock)
+        except (OSError, ChannelError) as exc:
+            raise ChannelError(f"producer {self.address}: hello: {exc}") from exc
+        if not reply.get("ok"):
+            raise ChannelError(f"producer {self.address} refused us: {reply.get('error')}")
+        diff = tp_mismatches(fingerprint, reply.get("fingerprint") or {})
+        if diff:
+            raise ChannelError(f"producer {self.address} is incompatible: " + "; ".join(diff))
+        try:
+            self.slab_addr = int(reply["slab_addr"])
+            self.slot_bytes = int(reply["slot_bytes"])
+            self.num_slots = int(reply["num_slots"])
+            self.tags_addr = int(reply["tags_addr"])
+            # a planes slab: where each region's plane of host blocks lies (absent: slots)
+            self.slot_planes = BlockRegions.from_wire(reply["slot_planes"]) if "slot_planes" in reply else None
+            # mode direct: the producer's KV blocks and their tags (absent when it exposes none)
+            self.blocks = BlockRegions.from_wire(reply["blocks"]) if "blocks" in reply else None
+            self.block_tags_addr = int(reply.get("block_tags_addr", 0))
+            # its pages by KV head (a consumer of another TP size reads head sub-runs; absent: unknown)
+            self.page_heads = PageHeads.from_wire(reply["page_heads"]) if "page_heads" in reply else None
+            return bytes(reply["metadata"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ChannelError(f"producer {self.address}: malformed hello answer: {exc!r}") from exc
+
+    def notify_read(self, request_id: str, rank: int = 0, readers: int = 1) -> None:
+        """Tell the producer its hand-off ``request_id`` was read (one-way; it releases the chunks).
+
+        ``readers`` > 1 (a consumer of another TP size): that many consumer ranks read this
+        producer rank; it counts the hand-off read once each (``rank``) has said so.
+        """
+        message: dict[str, Any] = {"op": "read", "request_id": request_id}
+        if readers > 1:
+            message.update(rank=rank, readers=readers)
+        try:
+            self._sock.settimeout(REPLY_TIMEOUT_S)
+            send_message(self._sock, message)
+        except OSError as exc:
+            raise ChannelError(f"producer {self.address}: read notification: {exc}") from exc
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class PeerLinks:
+    """A consumer's links by producer address: handshakes retried, refusals remembered, failed links dropped.
+
+    ``counters`` is the reader's: ``hello_retries`` and ``refused_peers`` are
+    counted in it. ``on_drop`` runs before a dropped link closes (the reader
+    forgets what it holds for that producer's agent).
+    """
+
+    def __init__(self, agent: Any, fingerprint: dict[str, Any], timeout_s: float, counters: dict[str, int],
+                 on_drop: Callable[[PeerLink], None]) -> None:
+        self.agent = agent
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self.counters = counters
+        self._on_drop = on_drop
+        self._links: dict[Address, PeerLink] = {}
+        self._refused: dict[Address, str] = {}
+
+    def __contains__(self, addr: Address) -> bool:
+        """Shaken hands with already (a read from it need not wait for the producer's answer)."""
+        return addr in self._links
+
+    def get(self, addr: Address) -> PeerLink:
+        """The link to ``addr``, shaking hands first if there is none (ChannelError if refused or unreachable)."""
+        if addr in self._refused:
+            raise ChannelError(self._refused[addr])
+        link = self._links.get(addr)
+        if link is None:
+            link = self._connect(addr)
+            self._links[addr] = link
+        return link
+
+    def _connect(self, addr: Address) -> PeerLink:
+        """Handshake with a producer, retrying short attempts until ``timeout_s``.
+
+        A producer answers between its engine steps, so a handshake that lands
+        in a long forward pass waits for it; a dead producer is retried until
+        the deadline (it may be restarting).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            attempt_s = min(HELLO_ATTEMPT_S, max(0.05, deadline - time.monotonic()))
+            try:
+                return PeerLink(addr[0], addr[1], self.fingerprint, self.agent, attempt_s)
+            except ChannelError as exc:
+                if "refused us" in str(exc) or "incompatible" in str(exc):
+                    self.refuse(addr, str(exc))
+                    raise
+                if time.monotonic() >= deadline:
+                    raise
+            self.counters["hello_retries"] += 1
+            time.sleep(0.05)
+
+    def refuse(self, addr: Address, why: str) -> None:
+        """Never read from ``addr`` again (an incompatible producer): ``why`` is the error each read gets."""
+        self._refused[addr] = why
+        self.counters["refused_peers"] += 1
+        logger.error("tiercache P/D: %s", why)
+
+    def drop(self, addr: Address) -> None:
+        """Forget the link to ``addr`` (after a failed read): the next read shakes hands again."""
+        link = self._links.pop(addr, None)
+        if link is not None:
+            self._on_drop(link)
+            link.close()
+            try:
+                self.agent.remove_remote_agent(link.agent_name)
+            except Exception:  # noqa: BLE001
+                logger.debug("tiercache P/D: removing agent %s failed", link.agent_name, exc_info=True)
+
+    def close(self) -> None:
+        """Close every link's socket (the reader is closing)."""
+        for link in self._links.values():
+            link.close()

@@ -1,0 +1,151 @@
+"""A hand-off READ checked by its tags: the P/D consumer's data READ, then the tags guarding it.
+
+:meth:`TaggedReader.read` runs one :class:`tiercache.pd.read_plans.ReadPlan`
+against one producer: one READ of the data, then one READ of the tags
+guarding it (a slot's or a block's tag names the chunk while the producer
+holds it for us, see :mod:`tiercache.pd.channel`). A tag that names the
+chunk: arrived. A tag of 0: the producer's copy into that slot still runs
+(via_host) or its worker has not heard of the hold yet (direct): those chunks
+are read again a moment later, until the deadline. Another chunk's tag: the
+slot or blocks were reused, the chunk is dropped (recomputed, never wrong;
+counted as ``stale_chunks``).
+
+A read that must not wait (an inline read on the worker thread) raises
+:class:`MustWait` instead of waiting for a tag: the caller hands the job to its
+I/O thread.
+
+Tags are READ into a small registered buffer, one descriptor per run of
+consecutive tags; or, when the producer's whole tag array is small, into a
+:class:`tiercache.pd.nixl_reads.TagMirror` made once per producer agent and
+tag array (:attr:`TaggedReader.mirrors`).
+
+Buffers: the tag buffer and the mirrors are registered with the consumer's
+agent by this object; the buffer's registration is :attr:`TaggedReader.reg`
+(its owner deregisters it). Threads: one read at a time, under the consumer's
+``_io_lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from tiercache.layout import block_runs
+from tiercache.pd.channel import TAG_BYTES, ChannelError
+from tiercache.pd.link import PeerLink
+from tiercache.pd.nixl_reads import TagMirror, read_to_completion, thread_schedstat
+from tiercache.pd.read_plans import ReadPlan
+
+logger = logging.getLogger(__name__)
+
+_TAG_POLL_S = 0.001
+
+
+class MustWait(Exception):
+    """A read that may not wait met something to wait for: the I/O thread takes the job instead."""
+
+
+class TaggedReader:
+    """The consumer agent's tag buffer (``max_tags`` tags) and tag mirrors; runs read plans.
+
+    ``counters`` is the reader's: ``stale_chunks`` and ``data_descs`` (NIXL
+    descriptors of data READs, tags not counted) are counted in it.
+    """
+
+    def __init__(self, agent: Any, max_tags: int, counters: dict[str, int]) -> None:
+        self.agent = agent
+        self.counters = counters
+        self._tags = np.zeros(max(1, max_tags), dtype=np.uint64)
+        self.reg = agent.register_memory([(int(self._tags.ctypes.data), self._tags.nbytes, 0, "")], "DRAM")
+        self.mirrors: dict[tuple[str, int], TagMirror] = {}  # (producer agent, tags addr) -> its tags
+
+    def read(self, link: PeerLink, plan: ReadPlan, expected: list[int], local_mem: str, deadline: float,
+             wait: bool, poll_burst_s: float) -> tuple[list[int], int, float]:
+        """READ the data, then its tags; again for chunks whose tags were 0.
+
+        ``expected``: per chunk, the tag naming it; ``local_mem``: our blocks'
+        memory type; ``poll_burst_s``: as :func:`tiercache.pd.nixl_reads.read_to_completion`.
+        Returns the chunks that arrived, and the bytes and seconds of the data READs alone.
+        """
+        if sum(len(t) for t in plan.tag_index) > len(self._tags):
+            raise ChannelError(f"a hand-off of {sum(len(t) for t in plan.tag_index)} blocks exceeds the "
+                               f"{len(self._tags)} tags")
+        arrived: list[int] = []
+        pending = list(range(len(expected)))
+        data_bytes, data_secs = 0, 0.0
+        while pending:
+            debug = logger.isEnabledFor(logging.DEBUG)
+            sched = thread_schedstat() if debug else (0, 0)
+            t0 = time.perf_counter()
+            local, remote = plan.descs(pending)
+            t1 = time.perf_counter()
+            self._read_descs(link, local, local_mem, remote, plan.remote_mem, deadline, poll_burst_s)
+            t2 = time.perf_counter()
+            tags = iter(self._read_tags(link, plan.tags_addr, plan.tag_count,
+                                        [t for i in pending for t in plan.tag_index[i]],
+                                        deadline, poll_burst_s))
+            t3 = time.perf_counter()
+            self.counters["data_descs"] += len(local)
+            data_bytes += int(np.asarray(local)[:, 1].sum())
+            data_secs += t2 - t1
+            if debug:
+                cpu, waited = (after - before for after, before in zip(thread_schedstat(), sched))
+                logger.debug("tiercache P/D: %d descriptors: built %.2f ms, data READ %.2f ms (CPU %.2f ms, "
+                             "waiting for the CPU %.2f ms), tags %.2f ms", len(local), (t1 - t0) * 1e3,
+                             (t2 - t1) * 1e3, cpu / 1e6, waited / 1e6, (t3 - t2) * 1e3)
+            again: list[int] = []
+            for i in pending:
+                got = [next(tags) for _ in plan.tag_index[i]]
+                if all(t == expected[i] for t in got):
+                    arrived.append(i)
+                elif any(t not in (0, expected[i]) for t in got):
+                    self.counters["stale_chunks"] += 1  # released and reused: another chunk's now
+                else:
+                    again.append(i)  # a copy into the slot in flight, or a hold not marked yet
+            pending = again
+            if pending:
+                if not wait:
+                    raise MustWait
+                if time.monotonic() >= deadline:
+                    logger.warning("tiercache P/D: %d chunks of %s never became readable (expired?)",
+                                   len(pending), link.address)
+                    break
+                time.sleep(_TAG_POLL_S)
+        return sorted(arrived), data_bytes, data_secs
+
+    def _read_tags(self, link: PeerLink, tags_addr: int, count: int, indices: list[int],
+                   deadline: float, poll_burst_s: float) -> list[int]:
+        if 0 < count * TAG_BYTES <= TagMirror.MAX_BYTES:  # the whole array, one handle made once per link
+            key = (link.agent_name, tags_addr)
+            if key not in self.mirrors:
+                self.mirrors[key] = TagMirror(self.agent, link.agent_name, link.address, tags_addr, count)
+            tags = self.mirrors[key].read(deadline, poll_burst_s)
+            return [int(tags[i]) for i in indices]
+        base = int(self._tags.ctypes.data)
+        # one descriptor per run of consecutive tags: a hand-off's slots or blocks mostly are one run,
+        # and each descriptor is one process_vm_readv on one host (63 single tags took 0.15 ms)
+        runs = block_runs(indices)
+        local = [(base + pos * TAG_BYTES, n * TAG_BYTES, 0) for pos, _, n in runs]
+        remote = [(tags_addr + first * TAG_BYTES, n * TAG_BYTES, 0) for _, first, n in runs]
+        self._tags[: len(indices)] = 0
+        self._read_descs(link, local, "DRAM", remote, "DRAM", deadline, poll_burst_s)
+        return [int(t) for t in self._tags[: len(indices)]]
+
+    def _read_descs(self, link: PeerLink, local: Any, local_mem: str, remote: Any, remote_mem: str,
+                   deadline: float, poll_burst_s: float) -> None:
+        """One NIXL READ of ``remote`` into ``local``, to completion (ChannelError if it fails or passes ``deadline``)."""
+        read_to_completion(self.agent, link.agent_name, link.address, local, local_mem, remote, remote_mem,
+                           deadline, poll_burst_s)
+
+    def forget(self, link: PeerLink) -> None:
+        """The link is dropped: close the mirrors of its producer's tag arrays (before its agent goes)."""
+        for key in [k for k in self.mirrors if k[0] == link.agent_name]:
+            self.mirrors.pop(key).close()
+
+    def close(self) -> None:
+        """Close every mirror (the buffer's registration, :attr:`reg`, is its owner's to drop)."""
+        for mirror in self.mirrors.values():
+            mirror.close()
