@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
     from tiercache.keys import KeySpace
     from tiercache.layout import KVBlockLayout
-    from tiercache.manager.directory import TierSpec
     from tiercache.transfer.engine import TransferEngine
     from tiercache.transfer.pipeline import BlockReader, WorkerPipeline
 
@@ -68,10 +67,6 @@ class SchedulerPD:
     """The scheduler's P/D role with P/D off: every hook is a no-op."""
 
     keeps_received = True  # a load's chunks are offered to the host tier again afterwards
-
-    def tier_specs(self) -> list[TierSpec]:
-        """Tiers P/D adds to the manager (a consumer: the producers, as one read-only tier)."""
-        return []
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         """vLLM's KV-cache manager, for the block pins of mode direct."""

@@ -72,7 +72,7 @@ class StorePlan:
 class DemotePlan:
     """Copy ``keys[i]`` from host slot ``host_slots[i]`` down into lower tier ``tier``.
 
-    The host copies are pinned until :meth:`OffloadingManager.complete_demotion`,
+    The host copies are pinned until :meth:`~tiercache.manager.cascade.Cascade.complete_demotion`,
     so the slots are not reused while the backend reads them.
     """
 
