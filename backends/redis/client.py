@@ -11,7 +11,7 @@ them (I/O, buffers, failures) is told in :mod:`tiercache.backends.redis.backend`
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -20,8 +20,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-if TYPE_CHECKING:
-    from tiercache.backends.redis.settings import RedisSettings
+from tiercache.backends.redis.settings import RedisSettings, parse_host_port
 
 # The tier's one logger: its backend module's name, the name log configurations filter on.
 logger = logging.getLogger(f"{__package__}.backend")
@@ -35,14 +34,6 @@ TROUBLE: tuple[type[BaseException], ...] = (
     RedisClusterException,  # no reachable startup node, slot not covered
     OSError,
 )
-
-
-def parse_host_port(node: str) -> tuple[str, int]:
-    """``"10.0.0.5:7000"`` -> ``("10.0.0.5", 7000)``; ValueError if it is not host:port."""
-    host, sep, port = node.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{node!r} is not host:port")
-    return host.strip("[]"), int(port)
 
 
 # ------------------------------------------------------------------- serializing frames

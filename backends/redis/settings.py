@@ -13,10 +13,17 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from tiercache.backend import BackendSettings
-from tiercache.backends.redis.client import parse_host_port
 
 #: URL schemes of a single server: TCP, TLS, unix socket.
 SCHEMES = ("redis", "rediss", "unix")
+
+
+def parse_host_port(node: str) -> tuple[str, int]:
+    """``"10.0.0.5:7000"`` -> ``("10.0.0.5", 7000)``; ValueError if it is not host:port."""
+    host, sep, port = node.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{node!r} is not host:port")
+    return host.strip("[]"), int(port)
 
 
 class RedisSettings(BackendSettings):

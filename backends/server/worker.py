@@ -24,16 +24,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+import queue
+from typing import Any, Protocol, TypeVar
 
 from tiercache import faults
+from tiercache.backend import BackendContext
+from tiercache.backends.server.settings import ServerSettings
 from tiercache.server import protocol as p
 from tiercache.server.client import ServerClient
-from tiercache.server.nixl_client import view_address
+from tiercache.server.nixl_client import NixlClientSide, view_address
 from tiercache.tiers.worker_lanes import PartedJob
-
-if TYPE_CHECKING:
-    from tiercache.backends.server.backend import ServerBackend
 
 # The tier's one logger: its backend module's name, the name log configurations filter on.
 logger = logging.getLogger(f"{__package__}.backend")
@@ -63,10 +63,23 @@ class Call:
     future: Future[Any]
 
 
+class WorkerOwner(Protocol):
+    """What a worker uses of its :class:`~tiercache.backends.server.backend.ServerBackend`."""
+
+    settings: ServerSettings
+    context: BackendContext
+    requests: queue.SimpleQueue[Part | Call | None]
+    nixl: NixlClientSide | None
+
+    def count(self, name: str, n: int = 1) -> None: ...
+
+    def part_done(self, part: Part, ok: list[bool]) -> None: ...
+
+
 class Worker:
     """One I/O thread and its connection."""
 
-    def __init__(self, backend: ServerBackend, index: int, client: ServerClient) -> None:
+    def __init__(self, backend: WorkerOwner, index: int, client: ServerClient) -> None:
         self.backend = backend
         self.index = index
         self.client = client
