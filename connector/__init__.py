@@ -1,5 +1,12 @@
 """The vLLM side of tiercache (installed as ``tiercache.connector``).
 
 ``vllm.py`` is the connector class vLLM loads; ``scheduler.py`` and
-``worker.py`` hold its two halves; ``metadata.py`` is what crosses between them.
+``worker.py`` hold its two halves (with ``scheduler_state.py``,
+``scheduler_faults.py`` and ``worker_faults.py``); ``metadata.py`` is what
+crosses between them. ``pd/`` is prefill/decode's vLLM side, reached by each
+half through one role object (``pd/roles.py``). The rest translates vLLM's
+view into tiercache's: ``engine_info.py``, ``model_identity.py``,
+``namespace_check.py``, ``lower_tiers.py``, ``prompt_tail.py``,
+``block_pins.py``, ``events.py``, ``stats.py``, ``logs.py``, ``guard.py``.
+May import anything of tiercache, and vLLM.
 """
