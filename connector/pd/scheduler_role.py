@@ -47,8 +47,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from tiercache.config.schema import PDConfig
 from tiercache.jobs import FromReader
@@ -61,6 +60,7 @@ from tiercache.pd.peer_tier import PEER_TIER
 
 from tiercache.connector.block_pins import BlockPins, VllmBlockPins
 from tiercache.connector.pd.consumer import PeerOffers
+from tiercache.connector.pd.holds import Hold, Pinned, take_reported
 from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, SchedulerPD
 from tiercache.connector.pd.step import DirectHold, PDStepMeta, PDWorkerReport
 from tiercache.connector.prompt_tail import PromptTail, prompt_tail
@@ -70,41 +70,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class _Hold:
-    keys: list[bytes]
-    deadline: float
-    direct: bool = False  # the request's device blocks, not host chunks
-    tail: bytes | None = None  # via_host: the tail's key among keys (dropped when the hold ends)
-    ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) whose consumer read it
-
-
-@dataclass
-class _Pinned:
-    """Mode direct: a hand-off's pinned blocks, until every worker cleared their tags."""
-
-    blocks: list[int]
-    deadline: float  # past it, the workers that have not cleared them are told to (expired hold, lost notice)
-    forced: bool = False
-    ranks: set[int] = field(default_factory=set)  # the workers (TP ranks) that cleared their tags
-
-
-_Reported = TypeVar("_Reported", _Hold, _Pinned)
-
-
-def _take_reported(table: dict[str, _Reported], reports: Mapping[str, set[int]],
-                   tp_size: int) -> list[tuple[str, _Reported]]:
-    """Add each report's TP ranks to its entry; remove and return the entries every rank has reported."""
-    complete: list[tuple[str, _Reported]] = []
-    for rid, ranks in reports.items():
-        entry = table.get(rid)
-        if entry is None:
-            continue
-        entry.ranks |= ranks
-        if len(entry.ranks) >= tp_size:
-            complete.append((rid, table.pop(rid)))
-    return complete
 
 
 def peer_tier_specs(settings: PDConfig | None, kv_role: str) -> list[TierSpec]:
@@ -135,7 +100,7 @@ class PDScheduler(SchedulerPD):
         self.metrics = metrics
         self._published: dict[str, int] = {}
         self._kv_cache_manager: KVCacheManager | None = None
-        self._holds: dict[str, _Hold] = {}
+        self._holds: dict[str, Hold] = {}
         # mode direct: the blocks marked on the worker, per request; for the next step's
         # metadata: marks to set, marks to clear (no hand-off after all: preempted, stopped,
         # aborted) and hand-offs whose tags every worker clears (expired, or a missed notice)
@@ -143,7 +108,7 @@ class PDScheduler(SchedulerPD):
         self._new_direct: dict[str, DirectHold] = {}
         self._unmark_direct: list[str] = []
         self._released_direct: list[str] = []
-        self._pinned: dict[str, _Pinned] = {}
+        self._pinned: dict[str, Pinned] = {}
         self.pins: BlockPins | None = None  # vLLM's block pool (bind_pins), for mode direct
         self.counters: dict[str, int] = {
             "handoffs_offered": 0, "handoffs_read": 0, "handoffs_expired": 0,
@@ -313,10 +278,10 @@ class PDScheduler(SchedulerPD):
                 tail_tokens = hold.tail_tokens
                 if hold != marked:  # not marked at its prefill step (or other blocks since): mark now
                     self._new_direct[rid] = hold
-                self._holds[rid] = _Hold(held, deadline, direct=True)
+                self._holds[rid] = Hold(held, deadline, direct=True)
                 # our own reference: vLLM frees the request now and the blocks stay allocated
                 self.pins.pin(where)
-                self._pinned[rid] = _Pinned(where, deadline)
+                self._pinned[rid] = Pinned(where, deadline)
         else:
             prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
             keys = self.keys.chunk_keys(request.block_hashes)[:prompt_chunks]
@@ -328,7 +293,7 @@ class PDScheduler(SchedulerPD):
             elif tail is not None:
                 self.manager.discard([tail.key])  # stored, but a chunk before it is missing: useless
             if held:
-                self._holds[request.request_id] = _Hold(held, deadline, tail=tail.key if tail_tokens else None)
+                self._holds[request.request_id] = Hold(held, deadline, tail=tail.key if tail_tokens else None)
         self.counters["handoffs_offered"] += 1
         return False, Handoff(
             engine_id=self.engine_id, host=self.settings.host, port=self.settings.port,
@@ -343,7 +308,7 @@ class PDScheduler(SchedulerPD):
         released, self._released_direct = self._released_direct, []
         return new, unmark, released
 
-    def _end_hold(self, rid: str, hold: _Hold, outcome: str) -> None:
+    def _end_hold(self, rid: str, hold: Hold, outcome: str) -> None:
         if hold.direct:
             if outcome == "expired":
                 self._force_release(rid)
@@ -363,7 +328,7 @@ class PDScheduler(SchedulerPD):
 
     def blocks_released(self, ranks: Mapping[str, set[int]]) -> None:
         """Workers (TP ranks) cleared these hand-offs' tags: unpin the blocks once all have."""
-        for _, pinned in _take_reported(self._pinned, ranks, self.tp_size):
+        for _, pinned in take_reported(self._pinned, ranks, self.tp_size):
             assert self.pins is not None
             self.pins.unpin(pinned.blocks)
 
@@ -375,7 +340,7 @@ class PDScheduler(SchedulerPD):
         let a via_host slot be reused while another rank still reads it (the tags would
         catch it, and that rank's request would be recomputed).
         """
-        for rid, hold in _take_reported(self._holds, ranks, self.tp_size):
+        for rid, hold in take_reported(self._holds, ranks, self.tp_size):
             self._end_hold(rid, hold, "read")
 
     def expire(self, now: float | None = None) -> None:
