@@ -59,8 +59,8 @@ def size_list(text: str) -> list[int]:
 
 
 def size_label(n: int) -> str:
-    """A table's short size label: 262144 -> ``"256K"``, 1 << 30 -> ``"1G"`` (powers of 1024)."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+    """A table's short size label that :func:`parse_size` reads back as ``n``: 262144 -> ``"256KiB"``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale and n % scale == 0:
             return f"{n // scale}{unit}"
     return str(n)

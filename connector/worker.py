@@ -79,7 +79,7 @@ class TierCacheWorker(WorkerFaults):
             copy_threads=self.config.copy_threads,
             prefault_host=slab.prefault,
             huge_host=slab.huge_pages,
-            slot_layout=slab.layout,  # type: ignore[arg-type]
+            slot_layout=slab.layout,
         )
         keyspace = self.geometry.keyspace(self.config)
         shards, slicer = self._store_shards(kv_caches) if len(self.config.tiers) > 1 else (None, None)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from tiercache.backend import JobResult
 from tiercache.config.schema import PDConfig
 from tiercache.jobs import FromReader, LoadJob, StoreJob
+from tiercache.layout import SlotLayout
 
 from tiercache.connector.pd.step import PDStepMeta, PDWorkerReport
 from tiercache.connector.prompt_tail import PromptTail
@@ -118,13 +119,13 @@ class HostSlabSettings:
 
     prefault: bool
     huge_pages: bool
-    layout: str  # "slots" | "planes"
+    layout: SlotLayout
 
 
 class WorkerPD:
     """The worker's P/D role with P/D off: every hook is a no-op."""
 
-    def host_slab(self, prefault: bool | None, layout: str | None) -> HostSlabSettings:
+    def host_slab(self, prefault: bool | None, layout: SlotLayout | None) -> HostSlabSettings:
         """The slab's settings: the configured ones, else plain slots, not prefaulted."""
         return HostSlabSettings(bool(prefault), False, layout or "slots")
 

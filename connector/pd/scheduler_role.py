@@ -137,7 +137,7 @@ class PDScheduler(SchedulerPD):
     def load_tail(self, request: Request, chunks: int) -> bytes | None:
         return self.peers.tail_key(request, chunks) if self.peers is not None else None
 
-    def reader_source(self, key: bytes, source: FromReader) -> FromReader:  # type: ignore[override]
+    def reader_source(self, key: bytes, source: FromReader) -> FromReader:
         return self.peers.reader_source(key, source) if self.peers is not None else source
 
     def store_tail(self, request: Request) -> PromptTail | None:

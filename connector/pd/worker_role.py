@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from tiercache.backend import JobResult
 from tiercache.config.schema import PDConfig
 from tiercache.jobs import FromTier, LoadJob, StoreJob
+from tiercache.layout import SlotLayout
 from tiercache.pd.blocks import BlockRegions
 from tiercache.pd.handoff import fingerprint
 from tiercache.pd.heads import page_heads
@@ -69,7 +70,7 @@ class PDWorker(WorkerPD):
         self._stores: dict[int, StoreJob] = {}  # producer: stores whose slots get named when they finish
         self._staged_slots: dict[int, list[tuple[bytes, int]]] = {}  # producer: staged loads' slots, likewise
 
-    def host_slab(self, prefault: bool | None, layout: str | None) -> HostSlabSettings:
+    def host_slab(self, prefault: bool | None, layout: SlotLayout | None) -> HostSlabSettings:
         # NIXL READs land in (consumer) or are served from (producer) host slots: prefaulted;
         # a via_host producer's consumers READ a few runs per region from a planes slab
         planes = self.settings.mode == "via_host" and self.is_producer

@@ -141,7 +141,7 @@ class WorkerPipeline:
         # From here on the job is registered: every part ends in _staged_read_done, whatever happens.
         for tier, chunks in staged.items():
             assert self.tier_io is not None  # never raises: failures come from poll
-            self.tier_io.get(job.job_id, tier, [c.key for c in chunks], [c.segment().slot for c in chunks])
+            self.tier_io.get(job.job_id, tier, [c.key for c in chunks], [c.source.slot for c in chunks])
         for tier, chunks in direct.items():
             try:
                 self.block_readers[tier].read_chunks(job.job_id, chunks)
