@@ -23,14 +23,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from tiercache import faults
-from tiercache.config.schema import TierCacheConfig
-from tiercache.events import ChunkEvent
-from tiercache.jobs import CopySegment, DemoteJob, FromReader, LoadChunk, LoadJob, StoreJob
-from tiercache.manager.offloading import OffloadingManager, TierSpec
-from tiercache.metrics import TierCacheMetrics
-from tiercache.tiers.shared_lookup import SharedLookup
-
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
@@ -38,6 +30,14 @@ from tiercache.connector.pd.roles import SchedulerPD, pd_settings
 from tiercache.connector.pd.scheduler_role import PDScheduler, peer_tier_specs
 from tiercache.connector.scheduler_faults import SchedulerFaults
 from tiercache.connector.scheduler_state import JobRecord, RequestState
+
+from tiercache import faults
+from tiercache.config.schema import TierCacheConfig
+from tiercache.events import ChunkEvent
+from tiercache.jobs import CopySegment, DemoteJob, FromReader, LoadChunk, LoadJob, StoreJob
+from tiercache.manager.offloading import OffloadingManager, TierSpec
+from tiercache.metrics import TierCacheMetrics
+from tiercache.tiers.shared_lookup import SharedLookup
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -95,11 +95,11 @@ class TierCacheScheduler(SchedulerFaults):
         self._counters: dict[str, float] = {}
 
     # ------------------------------------------------------------ plumbing
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
         self.pd.bind(kv_cache_manager)
 
-    def _state(self, request: "Request") -> RequestState:
+    def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
             st = RequestState(request)
@@ -118,7 +118,7 @@ class TierCacheScheduler(SchedulerFaults):
 
     # ------------------------------------------------------------- lookups
     def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         keys = self.keys.chunk_keys(request.block_hashes)
         if not keys:
@@ -151,7 +151,7 @@ class TierCacheScheduler(SchedulerFaults):
         st.lookup_hit_tokens = hit_tokens
         return hit_tokens - num_computed_tokens, self._async_loads
 
-    def _ask_shared_tiers(self, request: "Request", keys: list[bytes], hits: int) -> int | None:
+    def _ask_shared_tiers(self, request: Request, keys: list[bytes], hits: int) -> int | None:
         """Extend the local hit with what the shared tiers hold; None while they are asked."""
         st = self._state(request)
         if st.shared_asked:
@@ -171,7 +171,7 @@ class TierCacheScheduler(SchedulerFaults):
         return self.manager.lookup(keys) or 0
 
     def update_state_after_alloc(
-        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         st = self._state(request)
         if num_external_tokens <= 0:
@@ -212,7 +212,7 @@ class TierCacheScheduler(SchedulerFaults):
             tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + min(end, (chunk + 1) * ct) - max(start, chunk * ct)
         job = LoadJob(self._new_job_id("load", request.request_id, plan.keys), request.request_id, tuple(chunks))
         self._step_loads.append(job)
-        if not self.pd.keeps_received and any(isinstance(c.source, FromReader) for c in chunks):
+        if not self.pd.keeps(chunks) and any(isinstance(c.source, FromReader) for c in chunks):
             # A pure decode engine: the hand-off's chunks are not copied out again into the host tier.
             st.next_store_chunk = max(st.next_store_chunk, min(first_chunk + len(plan.keys), len(chunk_keys)))
         for tier, tokens in tokens_by_tier.items():
@@ -222,7 +222,7 @@ class TierCacheScheduler(SchedulerFaults):
         self._count("load_jobs", 1)
 
     # ---------------------------------------------------------- per step
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierCacheConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheConnectorMetadata:
         stores: list[StoreJob] = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
@@ -357,7 +357,7 @@ class TierCacheScheduler(SchedulerFaults):
             self.metrics.label(self.metrics.used_bytes, name).set(used * self.geometry.slot_bytes)
 
     # ------------------------------------------------------------ the rest
-    def request_finished(self, request: "Request", block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
         # Stores for the request's last step were planned in that step's metadata and
         # are fenced by the worker before the next forward pass: nothing to delay
         # (a P/D hand-off in mode direct pins its blocks instead: connector/pd/scheduler_role.py).

@@ -12,23 +12,38 @@ knowledge is dropped (the producer releases the chunks); a failed load is
 recomputed. The prompt's tail (connector/prompt_tail.py) is loaded when this
 engine's own tokens give the producer's tail key (:meth:`PeerOffers.tail_key`).
 
+Trust: a hand-off whose producer this consumer does not trust
+(:class:`tiercache.pd.trust.ProducerTrust`: ``pd.trusted_producers``,
+``pd.secret``, else loopback only) is refused before anything connects: the
+prompt is computed here, and ``handoffs_untrusted`` counts it (a log line names
+the address). Integrity: a via_host hand-off of our TP size, on an engine whose
+KV blocks are in host memory, is read with page hashes checked
+(``PeerChunk.verify``) when what it receives is to be stored (``keep_received``
+and not ``store_unverified``: the hashing costs CPU on the read path, spent
+only where it guards a store); a load whose hand-off chunks were not all
+verified is not stored again (:meth:`PeerOffers.all_verified`) unless
+``pd.store_unverified``.
+
 Threading: vLLM's scheduler thread (the PDScheduler that holds it).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tiercache.jobs import FromReader
+from tiercache.connector.prompt_tail import prompt_tail
+
+from tiercache.config.schema import PDConfig
+from tiercache.jobs import FromReader, LoadChunk
 from tiercache.keys import KeySpace
 from tiercache.manager.offloading import OffloadingManager
 from tiercache.pd.channel import key_tag
 from tiercache.pd.handoff import Handoff, HandoffError
 from tiercache.pd.heads import tp_mismatches
 from tiercache.pd.peer_tier import PEER_TIER, PeerChunk, PeerSource
-
-from tiercache.connector.prompt_tail import prompt_tail
+from tiercache.pd.trust import ProducerTrust
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -40,7 +55,14 @@ class PeerOffers:
     """What producers offered this consumer, per key, until the load that reads it ends."""
 
     def __init__(self, keys: KeySpace, manager: OffloadingManager, fingerprint: dict, tp_size: int,
-                 chunk_tokens: int, blocks_per_chunk: int, counters: dict[str, int]) -> None:
+                 chunk_tokens: int, blocks_per_chunk: int, counters: dict[str, int],
+                 settings: PDConfig | None = None, kv_in_host_memory: bool | None = None) -> None:
+        settings = settings or PDConfig()
+        self.trust = ProducerTrust(settings.trusted_producers, has_secret=bool(settings.secret_key()))
+        # page hashes (tiercache.pd.page_hashes) are checked where they guard a store (keep_received,
+        # not store_unverified) and our KV blocks are host memory (hashed in place)
+        in_host = _kv_in_host_memory() if kv_in_host_memory is None else kv_in_host_memory
+        self.can_verify = in_host and settings.keep_received and not settings.store_unverified
         self.keys = keys
         self.manager = manager
         self.fingerprint = fingerprint
@@ -48,7 +70,7 @@ class PeerOffers:
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = blocks_per_chunk
         self.block_size = chunk_tokens // blocks_per_chunk
-        self.counters = counters  # the PDScheduler's (handoffs_refused, handoff_chunks_received)
+        self.counters = counters  # the PDScheduler's (handoffs_refused, handoffs_untrusted, handoff_chunks_received)
         self._sources: dict[bytes, PeerChunk] = {}
         self._tails: dict[str, bytes] = {}  # request -> the tail key it may load (checked)
         self._asked: set[str] = set()  # requests whose hand-off was looked at
@@ -65,6 +87,12 @@ class PeerOffers:
             self.counters["handoffs_refused"] += 1
             return
         if handoff is None:
+            return
+        untrusted = self.trust.why_not(handoff.host, handoff.port)
+        if untrusted:
+            logger.error("tiercache P/D: refusing the hand-off of request %s: %s; recomputing",
+                         request.request_id, untrusted)
+            self.counters["handoffs_untrusted"] += 1
             return
         # another TP size is accepted when only it differs (tiercache.pd.heads: head-split reads)
         diff = tp_mismatches(self.fingerprint, handoff.fingerprint)
@@ -92,15 +120,17 @@ class PeerOffers:
                 logger.warning("tiercache P/D: request %s: the producer's prompt tail does not match this "
                                "prompt's; its %d tokens are recomputed", request.request_id, handoff.tail_tokens)
                 offered.pop()
-        src = PeerSource(handoff.host, handoff.port, handoff.request_id,
-                         handoff.tp_size if handoff.tp_size != self.tp_size else 0)
+        hetero = handoff.tp_size != self.tp_size
+        src = PeerSource(handoff.host, handoff.port, handoff.request_id, handoff.tp_size if hetero else 0,
+                         handoff.release_token)
         self.manager.cascade.learn(PEER_TIER, offered)
-        if handoff.mode == "direct":
+        if handoff.mode == "direct":  # no page hashes (tiercache.pd.page_hashes): tags only
             for key, blocks in zip(offered, handoff.blocks_of(self.blocks_per_chunk)):
                 self._sources[key] = PeerChunk(src, -1, blocks, key_tag(key))
         else:
+            verify = self.can_verify and not hetero
             for key, slot in zip(offered, handoff.slots):
-                self._sources[key] = PeerChunk(src, slot, tag=key_tag(key))
+                self._sources[key] = PeerChunk(src, slot, tag=key_tag(key), verify=verify)
 
     def tail_key(self, request: Request, chunks: int) -> bytes | None:
         """Consumer: the checked tail key of ``request``'s hand-off, when the tail is chunk ``chunks`` (else None)."""
@@ -115,6 +145,11 @@ class PeerOffers:
             return source
         return FromReader(source.tier, self._sources.get(key))
 
+    def all_verified(self, chunks: Sequence[LoadChunk]) -> bool:
+        """Every hand-off chunk of a load is read with its page hashes checked (storing it is safe)."""
+        return all(c.source.where.verify for c in chunks
+                   if isinstance(c.source, FromReader) and isinstance(c.source.where, PeerChunk))
+
     def load_finished(self, keys: tuple[bytes, ...], failed: set[bytes]) -> None:
         """A load ended: forget what the producer held (it releases the chunks now)."""
         peer_keys = [k for k in keys if self._sources.pop(k, None) is not None]
@@ -125,3 +160,10 @@ class PeerOffers:
     def forget(self, request_id: str) -> None:
         self._asked.discard(request_id)
         self._tails.pop(request_id, None)
+
+
+def _kv_in_host_memory() -> bool:
+    """This engine's KV cache is host memory (vLLM's CPU platform): received blocks can be hashed in place."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "cpu"

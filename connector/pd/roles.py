@@ -11,8 +11,8 @@ and :class:`tiercache.connector.pd.worker_role.PDWorker`.
 
 Scheduler hooks, in the order of a request's life: :meth:`SchedulerPD.lookup`
 (before the manager's lookup), :meth:`~SchedulerPD.load_tail` and
-:meth:`~SchedulerPD.reader_source` (while planning a load, in
-``update_state_after_alloc``), :meth:`~SchedulerPD.store_tail` and
+:meth:`~SchedulerPD.reader_source` and :meth:`~SchedulerPD.keeps` (while planning a load, in
+``update_state_after_alloc``: where each chunk is, whether the load is stored again), :meth:`~SchedulerPD.store_tail` and
 :meth:`~SchedulerPD.scheduled` (while planning the step's stores),
 :meth:`~SchedulerPD.step_meta` (the step's ``pd`` field),
 :meth:`~SchedulerPD.report` and :meth:`~SchedulerPD.load_finished` (worker
@@ -35,13 +35,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiercache.backend import JobResult
-from tiercache.config.schema import PDConfig
-from tiercache.jobs import FromReader, LoadJob, StoreJob
-from tiercache.layout import SlotLayout
-
 from tiercache.connector.pd.step import PDStepMeta, PDWorkerReport
 from tiercache.connector.prompt_tail import PromptTail
+
+from tiercache.backend import JobResult
+from tiercache.config.schema import PDConfig
+from tiercache.jobs import FromReader, LoadChunk, LoadJob, StoreJob
+from tiercache.layout import SlotLayout
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +68,10 @@ class SchedulerPD:
     """The scheduler's P/D role with P/D off: every hook is a no-op."""
 
     keeps_received = True  # a load's chunks are offered to the host tier again afterwards
+
+    def keeps(self, chunks: Sequence[LoadChunk]) -> bool:
+        """A load of these chunks is offered to the host tier again afterwards (P/D: only verified hand-offs)."""
+        return self.keeps_received
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         """vLLM's KV-cache manager, for the block pins of mode direct."""

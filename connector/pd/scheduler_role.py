@@ -46,17 +46,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-
-from tiercache.config.schema import PDConfig
-from tiercache.jobs import FromReader
-from tiercache.keys import KeySpace
-from tiercache.manager.directory import TierSpec
-from tiercache.manager.offloading import OffloadingManager
-from tiercache.metrics import TierCacheMetrics
-from tiercache.pd.handoff import Handoff, fingerprint
-from tiercache.pd.peer_tier import PEER_TIER
 
 from tiercache.connector.block_pins import BlockPins, VllmBlockPins
 from tiercache.connector.pd.consumer import PeerOffers
@@ -64,6 +55,16 @@ from tiercache.connector.pd.holds import Hold, Pinned, take_reported
 from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, SchedulerPD
 from tiercache.connector.pd.step import DirectHold, PDStepMeta, PDWorkerReport
 from tiercache.connector.prompt_tail import PromptTail, prompt_tail
+
+from tiercache.config.schema import PDConfig
+from tiercache.jobs import FromReader, LoadChunk
+from tiercache.keys import KeySpace
+from tiercache.manager.directory import TierSpec
+from tiercache.manager.offloading import OffloadingManager
+from tiercache.metrics import TierCacheMetrics
+from tiercache.pd.auth import new_release_key, release_token
+from tiercache.pd.handoff import Handoff, fingerprint
+from tiercache.pd.peer_tier import PEER_TIER
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -110,18 +111,26 @@ class PDScheduler(SchedulerPD):
         self._released_direct: list[str] = []
         self._pinned: dict[str, Pinned] = {}
         self.pins: BlockPins | None = None  # vLLM's block pool (bind_pins), for mode direct
+        # producer: each hand-off's release token is derived from it; the workers get it each step
+        self._release_key = new_release_key() if self.is_producer else b""
         self.counters: dict[str, int] = {
             "handoffs_offered": 0, "handoffs_read": 0, "handoffs_expired": 0,
-            "handoffs_refused": 0, "handoff_chunks_received": 0,
+            "handoffs_refused": 0, "handoffs_untrusted": 0, "handoff_chunks_received": 0,
         }
         self.peers: PeerOffers | None = PeerOffers(keys, manager, self.fingerprint, tp_size, chunk_tokens,
-                                                   blocks_per_chunk, self.counters) \
+                                                   blocks_per_chunk, self.counters, settings) \
             if self.is_consumer else None
 
     # ------------------------------------------------------------ hooks (roles.SchedulerPD)
     @property
     def keeps_received(self) -> bool:  # type: ignore[override]
         return self.settings.keep_received
+
+    def keeps(self, chunks: Sequence[LoadChunk]) -> bool:
+        """keep_received, and every hand-off chunk of the load is verified (or pd.store_unverified)."""
+        if not self.settings.keep_received:
+            return False
+        return self.peers is None or self.settings.store_unverified or self.peers.all_verified(chunks)
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -152,7 +161,7 @@ class PDScheduler(SchedulerPD):
         self.expire()
         self._publish()
         holds, unmarks, released = self.take_direct()
-        return PDStepMeta(self.held_chunks > 0, holds, unmarks, released)
+        return PDStepMeta(self.held_chunks > 0, holds, unmarks, released, self._release_key)
 
     def report(self, report: PDWorkerReport) -> None:
         if report.handoffs_read:
@@ -299,6 +308,7 @@ class PDScheduler(SchedulerPD):
             engine_id=self.engine_id, host=self.settings.host, port=self.settings.port,
             request_id=request.request_id, keys=tuple(held), slots=tuple(where), fingerprint=self.fingerprint,
             tp_size=self.tp_size, mode=self.settings.mode, tail_tokens=tail_tokens,
+            release_token=release_token(self._release_key, request.request_id),
         ).to_params()
 
     def take_direct(self) -> tuple[dict[str, DirectHold], list[str], list[str]]:

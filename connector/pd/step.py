@@ -38,6 +38,9 @@ class PDStepMeta:
     # mode direct: hand-offs whose tags every worker clears now and reports (expired, or a
     # notice some worker missed), after which the scheduler unpins their blocks
     direct_released: list[str] = field(default_factory=list)
+    # the producer's release key (tiercache.pd.auth), every step: a consumer's read notice
+    # releases a hand-off only with the token derived from it (it never leaves this engine)
+    release_key: bytes = b""
 
 
 @dataclass

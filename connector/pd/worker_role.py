@@ -6,8 +6,9 @@ off). What it adds to the worker's step:
 
 * **Producer** (kv_role ``kv_producer``, or ``kv_both`` with ``pd``): a
   :class:`~tiercache.pd.producer.ProducerEndpoint` serves consumers' handshakes
-  and read notices on its side channel and registers the host slab (mode
-  via_host) or the KV blocks (mode direct) with NIXL. Every host slot a store
+  (authenticated with ``pd.secret``) and read notices (checked against the
+  release key of each step's metadata) on its side channel and registers the
+  host slab (mode via_host) or the KV blocks (mode direct) with NIXL. Every host slot a store
   or a staged load is about to write gets its tag cleared first
   (``slot_filling``), and named again once the copy finished
   (:meth:`PDWorker.job_done`), so a consumer never READs a half-written slot.
@@ -30,6 +31,9 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, HostSlabSettings, WorkerPD
+from tiercache.connector.pd.step import PDStepMeta, PDWorkerReport
+
 from tiercache.backend import JobResult
 from tiercache.config.schema import PDConfig
 from tiercache.jobs import FromTier, LoadJob, StoreJob
@@ -39,15 +43,14 @@ from tiercache.pd.handoff import fingerprint
 from tiercache.pd.heads import page_heads
 from tiercache.pd.peer_tier import PEER_TIER, NixlPeerTier
 from tiercache.pd.producer import ProducerEndpoint
+from tiercache.pd.side_channel import ChannelLimits
+from tiercache.pd.trust import ProducerTrust
 from tiercache.transfer.huge_pages import collapse_tensors
-
-from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, HostSlabSettings, WorkerPD
-from tiercache.connector.pd.step import PDStepMeta, PDWorkerReport
 
 if TYPE_CHECKING:
     import torch
-
     from tiercache.connector.engine_info import ChunkGeometry
+
     from tiercache.keys import KeySpace
     from tiercache.layout import KVBlockLayout
     from tiercache.transfer.engine import TransferEngine
@@ -92,6 +95,7 @@ class PDWorker(WorkerPD):
         engine = self.geometry.engine  # pages by KV head: hand-offs between TP sizes (tiercache.pd.heads)
         heads = page_heads(kv_caches, num_blocks, engine.kv_heads, engine.tp_size, self.rank, engine.local_kv_heads)
         readers: dict[str, BlockReader] = {}
+        key = pd.secret_key()  # the side channel's shared secret (empty: none, loopback only)
         if self.is_producer:
             progress = pd.busy_progress if pd.busy_progress is not None else pd.nixl_error_handling == "peer"
             planes = transfer.planes
@@ -100,10 +104,13 @@ class PDWorker(WorkerPD):
                                              pd.nixl_error_handling, progress,
                                              blocks if pd.mode == "direct" else None,
                                              BlockRegions.from_planes(planes) if planes is not None else None,
-                                             page_heads=heads)
+                                             page_heads=heads, key=key, pages=blocks.pages,
+                                             limits=ChannelLimits(pd.max_connections, pd.max_connections_per_peer,
+                                                                  pd.handshake_timeout_s, pd.idle_timeout_s))
         if self.is_consumer:
             self.peer = NixlPeerTier(self.geometry.slot_bytes, fp, self.rank, pd.read_timeout_s,
-                                     pd.nixl_error_handling, num_blocks)
+                                     pd.nixl_error_handling, num_blocks, key=key,
+                                     trust=ProducerTrust(pd.trusted_producers, has_secret=bool(key)))
             self.peer.expose_blocks(blocks)  # hand-offs are READ straight into the blocks
             self.peer.page_heads = heads
             readers[PEER_TIER] = self.peer
@@ -114,6 +121,7 @@ class PDWorker(WorkerPD):
         if endpoint is None:
             return
         meta = meta or PDStepMeta()
+        endpoint.set_release_key(meta.release_key)  # read notices must carry the hand-off's token
         endpoint.set_holding(meta.handoffs_held)
         for rid in meta.direct_unmarks:
             endpoint.release_blocks(rid)  # vLLM frees these blocks itself: nothing to report

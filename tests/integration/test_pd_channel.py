@@ -28,22 +28,22 @@ import torch
 
 pytest.importorskip("nixl._api")
 
-from tiercache.pd.peer_tier import (  # noqa: E402
+from tests.e2e.conftest import free_port
+from tiercache.backend import JobResult
+from tiercache.layout import KVBlockLayout, slab_planes
+from tiercache.pd.auth import release_token
+from tiercache.pd.blocks import BlockRegions
+from tiercache.pd.channel import key_tag
+from tiercache.pd.nixl_reads import TagMirror
+from tiercache.pd.peer_tier import (
     PEER_DATA_READ,
     PEER_HOST_TO_DEVICE,
     NixlPeerTier,
     PeerChunk,
     PeerSource,
 )
-from tiercache.pd.nixl_reads import TagMirror  # noqa: E402
-
-from tests.e2e.conftest import free_port  # noqa: E402
-from tiercache.backend import JobResult  # noqa: E402
-from tiercache.transfer.device import CopySegment  # noqa: E402
-from tiercache.layout import KVBlockLayout, slab_planes  # noqa: E402
-from tiercache.pd.blocks import BlockRegions  # noqa: E402
-from tiercache.pd.channel import key_tag  # noqa: E402
-from tiercache.pd.producer import ProducerEndpoint  # noqa: E402
+from tiercache.pd.producer import ProducerEndpoint
+from tiercache.transfer.device import CopySegment
 
 BLOCKS = 16  # the consumer's KV cache: 2 layers of (K/V, blocks, 32 tokens, 2 heads, 16) float32
 BPC = 2  # blocks per chunk
@@ -51,6 +51,7 @@ LAYOUT_PAGE = 32 * 2 * 16 * 4
 SLOT = BPC * 4 * LAYOUT_PAGE  # 4 regions (2 layers x K/V) of BPC pages: 32 KiB
 SLOTS = 8
 FP = {"model": "m", "kv_dtype": "torch.float32", "chunk_tokens": 64}
+RELEASE_KEY = b"r" * 32  # the producer scheduler's release key: read notices carry its tokens
 
 
 class ConsumerKV:
@@ -116,6 +117,7 @@ def producer_and_consumer(in_planes: bool = False):  # type: ignore[no-untyped-d
     server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port,
                               slot_planes=BlockRegions.from_planes(planes) if planes is not None else None)
     server.set_holding(True)  # the scheduler says hand-offs are held
+    server.set_release_key(RELEASE_KEY)  # ... and sends its release key
     stepper = Stepper(server)
     peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, max_blocks=BLOCKS)
     peer.expose_blocks(cons.regions)
@@ -139,7 +141,8 @@ def into(*blocks: tuple[int, ...]) -> list[CopySegment]:
 
 
 def chunk(port: int, slot: int, request_id: str = "r") -> PeerChunk:
-    return PeerChunk(PeerSource("127.0.0.1", port, request_id), slot)
+    return PeerChunk(PeerSource("127.0.0.1", port, request_id, release_token=release_token(RELEASE_KEY, request_id)),
+                     slot)
 
 
 def test_consumer_reads_producer_slots_byte_exact_and_producer_is_notified(pair) -> None:
@@ -158,16 +161,16 @@ def test_consumer_reads_producer_slots_byte_exact_and_producer_is_notified(pair)
     assert cons.untouched((2, 4, 5, 6))
     assert [(p, n) for p, n, _ in peer.take_transfers()] == [(PEER_HOST_TO_DEVICE, 2 * SLOT),
                                                                (PEER_DATA_READ, 2 * SLOT)]
+    deadline = time.monotonic() + 10
+    while not stepper.read and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stepper.read == {"req-7"}  # (checked before req-z's notice can race it in)
     # a partial chunk: its first block was computed here, the second comes from the slot
     prod[6] = torch.from_numpy(rng.integers(0, 256, SLOT, dtype=np.uint8))
     server.slot_filled([b"z" * 16], [6])
     peer.expect({b"z" * 16: chunk(port, 6, "req-z")})
     peer.submit_blocks(2, [b"z" * 16], [CopySegment(-1, 1, (9,))])
     assert wait_result(peer).ok and cons.holds(prod[6], (9,), first=1) and cons.untouched((8, 10))
-    deadline = time.monotonic() + 10
-    while not stepper.read and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert stepper.read == {"req-7"}
 
 
 def read_during_a_long_step(pair) -> None:  # type: ignore[no-untyped-def]
@@ -206,6 +209,7 @@ def peer_mode_pair():
     server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port,
                               error_handling="peer", busy_progress=True)
     server.set_holding(True)
+    server.set_release_key(RELEASE_KEY)
     stepper = Stepper(server)
     peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, error_handling="peer", max_blocks=BLOCKS)
     peer.expose_blocks(cons.regions)

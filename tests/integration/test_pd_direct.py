@@ -19,22 +19,28 @@ import torch
 
 pytest.importorskip("nixl._api")
 
-from tiercache.pd.peer_tier import (  # noqa: E402
+from tests.integration.test_pd_channel import (
+    FP,
+    RELEASE_KEY,
+    Stepper,
+    one_engines_keys,
+    wait_result,
+)
+from tiercache.backend import JobResult
+from tiercache.layout import KVBlockLayout
+from tiercache.pd.auth import release_token
+from tiercache.pd.blocks import BlockRegions
+from tiercache.pd.nixl_reads import TagMirror
+from tiercache.pd.peer_tier import (
     PEER_DATA_READ,
     PEER_DEVICE_TO_DEVICE,
     NixlPeerTier,
     PeerChunk,
     PeerSource,
 )
-from tiercache.pd.nixl_reads import TagMirror  # noqa: E402
-
-from tests.integration.test_pd_channel import FP, Stepper, one_engines_keys, wait_result  # noqa: E402
-from tiercache.backend import JobResult  # noqa: E402
-from tiercache.transfer.device import CopySegment  # noqa: E402
-from tiercache.layout import KVBlockLayout  # noqa: E402
-from tiercache.pd.blocks import BlockRegions  # noqa: E402
-from tiercache.pd.producer import ProducerEndpoint  # noqa: E402
-from tiercache.testing.ports import free_port  # noqa: E402
+from tiercache.pd.producer import ProducerEndpoint
+from tiercache.testing.ports import free_port
+from tiercache.transfer.device import CopySegment
 
 BLOCKS = 16
 LAYERS = 3
@@ -65,6 +71,7 @@ def direct():
     prod_slab = torch.zeros((2, SLOT), dtype=torch.uint8)
     port = free_port()
     server = ProducerEndpoint(prod_slab.data_ptr(), SLOT, 2, FP, "127.0.0.1", port, blocks=regions(prod_kv))
+    server.set_release_key(RELEASE_KEY)
     stepper = Stepper(server)
     peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=1.5, max_blocks=BLOCKS)
     peer.expose_blocks(regions(cons_kv))
@@ -75,7 +82,7 @@ def direct():
 
 
 def src(port: int, rid: str) -> PeerSource:
-    return PeerSource("127.0.0.1", port, rid)
+    return PeerSource("127.0.0.1", port, rid, release_token=release_token(RELEASE_KEY, rid))
 
 
 def test_blocks_arrive_byte_exact_in_other_block_ids_and_the_producer_hears(direct) -> None:

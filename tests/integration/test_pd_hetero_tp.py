@@ -19,15 +19,15 @@ import torch
 
 pytest.importorskip("nixl._api")
 
-from tiercache.pd.peer_tier import NixlPeerTier, PeerChunk, PeerSource
-
-from tests.integration.test_pd_channel import Stepper, wait_result
-from tiercache.transfer.device import CopySegment
+from tests.integration.test_pd_channel import RELEASE_KEY, Stepper, wait_result
 from tiercache.layout import KVBlockLayout, slab_planes
+from tiercache.pd.auth import release_token
 from tiercache.pd.blocks import BlockRegions
-from tiercache.pd.producer import ProducerEndpoint
 from tiercache.pd.heads import WRONG_HEAD_ENV, page_heads
+from tiercache.pd.peer_tier import NixlPeerTier, PeerChunk, PeerSource
+from tiercache.pd.producer import ProducerEndpoint
 from tiercache.testing.ports import free_port
+from tiercache.transfer.device import CopySegment
 
 HEADS, BLOCKS, TOKENS, CONTENT, LAYERS = 2, 8, 32, 16, 2
 BPC, SLOTS = 2, 3
@@ -64,6 +64,7 @@ class Producer:
             slot_planes=BlockRegions.from_planes(self.planes),
             page_heads=page_heads(self.kv, BLOCKS, HEADS, tp, rank, HEADS // tp))
         self.server.set_holding(True)
+        self.server.set_release_key(RELEASE_KEY)
         self.stepper = Stepper(self.server)
 
     def host_head(self, region: int, slot: int, pos: int, head: int) -> np.ndarray:
@@ -132,7 +133,7 @@ def test_tp1_producer_read_by_both_ranks_of_a_tp2_consumer() -> None:
     consumers = [Consumer(2, 0), Consumer(2, 1)]
     try:
         fill(prod, [2, 0])
-        src = PeerSource("127.0.0.1", port, "req-1", tp_size=1)
+        src = PeerSource("127.0.0.1", port, "req-1", tp_size=1, release_token=release_token(RELEASE_KEY, "req-1"))
         for rank, cons in enumerate(consumers):
             cons.peer.expect({KEYS[0]: PeerChunk(src, 2), KEYS[1]: PeerChunk(src, 0)})
             # second chunk partly (its first block computed by the consumer)
@@ -160,7 +161,7 @@ def test_tp2_producer_ranks_read_into_one_tp1_consumer(direct: bool) -> None:
     prods = [Producer(2, 0, port, direct), Producer(2, 1, port, direct)]
     cons = Consumer(1, 0)
     try:
-        src = PeerSource("127.0.0.1", port, "req-2", tp_size=2)
+        src = PeerSource("127.0.0.1", port, "req-2", tp_size=2, release_token=release_token(RELEASE_KEY, "req-2"))
         if direct:
             for p in prods:
                 p.server.hold_blocks("req-2", KEYS[:1], [(6, 3)])
@@ -191,7 +192,7 @@ def test_wrong_head_hook_reads_other_bytes(monkeypatch: pytest.MonkeyPatch) -> N
     cons = Consumer(2, 0)
     try:
         fill(prod, [0])
-        cons.peer.expect({KEYS[0]: PeerChunk(PeerSource("127.0.0.1", port, "req-3", tp_size=1), 0)})
+        cons.peer.expect({KEYS[0]: PeerChunk(PeerSource("127.0.0.1", port, "req-3", tp_size=1, release_token=release_token(RELEASE_KEY, "req-3")), 0)})
         cons.peer.submit_blocks(1, KEYS[:1], [CopySegment(-1, 0, (0, 1))])
         assert wait_result(cons.peer).ok  # tags fine: it is the bytes that are wrong
         assert np.array_equal(cons.head(0, 0, 0), prod.host_head(0, 0, 0, 1))
@@ -208,7 +209,7 @@ def test_token_major_consumer_is_refused_and_recomputes() -> None:
     cons.peer.page_heads = page_heads({"l": torch.zeros((BLOCKS, TOKENS, 2, CONTENT))}, BLOCKS, HEADS, 2, 0, 2)
     try:
         fill(prod, [0])
-        cons.peer.expect({KEYS[0]: PeerChunk(PeerSource("127.0.0.1", port, "req-4", tp_size=1), 0)})
+        cons.peer.expect({KEYS[0]: PeerChunk(PeerSource("127.0.0.1", port, "req-4", tp_size=1, release_token=release_token(RELEASE_KEY, "req-4")), 0)})
         cons.peer.submit_blocks(1, KEYS[:1], [CopySegment(-1, 0, (0, 1))])
         res = wait_result(cons.peer)
         assert not res.ok and res.failed_keys == (KEYS[0],)

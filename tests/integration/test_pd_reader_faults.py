@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("nixl._api")
 
-from tests.e2e.conftest import free_port  # noqa: E402
-from tests.integration.test_pd_channel import (  # noqa: E402
+from tests.e2e.conftest import free_port
+from tests.integration.test_pd_channel import (
     FP,
     SLOT,
     chunk,
@@ -28,8 +28,9 @@ from tests.integration.test_pd_channel import (  # noqa: E402
     producer_and_consumer,
     wait_result,
 )
-from tiercache import faults  # noqa: E402
-from tiercache.pd.channel import recv_message, send_message  # noqa: E402
+from tiercache import faults
+from tiercache.pd import auth
+from tiercache.pd.channel import recv_message, send_message
 
 
 def garbage_producer(port: int, stop: threading.Event) -> threading.Thread:
@@ -45,12 +46,15 @@ def garbage_producer(port: int, stop: threading.Event) -> threading.Thread:
                 except OSError:
                     continue
                 with conn:
-                    try:
+                    try:  # the handshake as a producer without a secret makes it (empty key)
+                        theirs, ours = recv_message(conn)["nonce"], auth.new_nonce()
+                        send_message(conn, {"ok": True, "nonce": ours})
                         recv_message(conn)
                         send_message(conn, {"ok": True, "fingerprint": FP, "agent": "liar", "metadata": b"\x00garbage",
-                                            "slab_addr": 4096, "slot_bytes": SLOT, "num_slots": 8, "tags_addr": 8192})
+                                            "slab_addr": 4096, "slot_bytes": SLOT, "num_slots": 8, "tags_addr": 8192,
+                                            "proof": auth.producer_proof(b"", theirs, ours)})
                         conn.recv(1)  # hold the connection until the consumer drops it
-                    except Exception:  # noqa: BLE001 - the consumer hung up
+                    except Exception:
                         pass
 
     thread = threading.Thread(target=serve, daemon=True)

@@ -5,7 +5,8 @@ namespaces carrying the fields the connector reads (the real engine path is
 tests/e2e/test_pd.py). Checks: a direct hand-off loads from tier ``peer`` (a direct tier)
 with no host slot, the worker is told where each key lives,
 ``pd.keep_received`` decides whether those chunks are offered to the host tier
-afterwards, and a prompt that is all whole chunks loads all of them (vLLM then
+afterwards (only chunks read with their page hashes checked, mode via_host, unless
+``pd.store_unverified``), and a prompt that is all whole chunks loads all of them (vLLM then
 computes only its last token).
 """
 
@@ -18,19 +19,20 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tiercache.pd.peer_tier import PEER_TIER  # noqa: E402
-from tiercache.config.schema import load_config  # noqa: E402
-from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry  # noqa: E402
-from tiercache.connector.scheduler import TierCacheScheduler  # noqa: E402
-from tiercache.pd.handoff import Handoff  # noqa: E402
+from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry
+from tiercache.connector.scheduler import TierCacheScheduler
+
+from tiercache.config.schema import load_config
+from tiercache.pd.handoff import Handoff
+from tiercache.pd.peer_tier import PEER_TIER
 
 BLOCK = 32
 PROMPT = 4 * BLOCK + 8  # 4 full chunks (one block each) and a tail
 
 
-def consumer(keep_received: bool) -> TierCacheScheduler:
+def consumer(keep_received: bool, store_unverified: bool = False) -> TierCacheScheduler:
     config = load_config(chunk_tokens=BLOCK, tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}],
-                         pd={"keep_received": keep_received})
+                         pd={"keep_received": keep_received, "store_unverified": store_unverified})
     engine = EngineGeometry(model="m", kv_dtype="torch.float32", kv_layout="NHD", block_size=BLOCK, tp_size=1,
                             world_size=1, bytes_per_block=4096, hash_algo="sha256")
     sched = TierCacheScheduler(config, ChunkGeometry.build(config, engine), kv_role="kv_consumer")
@@ -63,7 +65,7 @@ def load_then_step(sched: TierCacheScheduler, mode: str = "direct") -> tuple[Any
 
 @pytest.mark.parametrize("keep_received", [True, False])
 def test_direct_hand_off_loads_into_blocks_and_keep_received_decides_the_store(keep_received: bool) -> None:
-    sched = consumer(keep_received)
+    sched = consumer(keep_received, store_unverified=True)  # mode direct publishes no page hashes
     _req, meta = load_then_step(sched)
     (load,) = meta.loads
     assert [seg.slot for seg in load.segments] == [-1, -1, -1, -1]  # no host staging slot
@@ -72,6 +74,15 @@ def test_direct_hand_off_loads_into_blocks_and_keep_received_decides_the_store(k
     assert [load.reader_sources()[k].blocks for k in load.keys] == [(7,), (8,), (9,), (10,)]
     # the loaded chunks are offered to the host tier (a copy out of the blocks) only when kept
     assert [len(s.keys) for s in meta.stores] == ([4] if keep_received else [])
+
+
+def test_only_verified_hand_off_chunks_are_stored() -> None:
+    """Mode direct (no page hashes) is not stored by default; via_host (hashes checked) is."""
+    _req, meta = load_then_step(consumer(keep_received=True))
+    assert meta.stores == []
+    _req, meta = load_then_step(consumer(keep_received=True), mode="via_host")
+    assert all(c.source.where.verify for c in meta.loads[0].chunks)
+    assert [len(s.keys) for s in meta.stores] == [4]
 
 
 def test_the_workers_peer_transfers_reach_the_transfer_metrics() -> None:

@@ -25,11 +25,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from tiercache.config.pd import PDConfig as PDConfig  # re-exported: its home before it grew
 from tiercache.config.sizes import parse_size
 
 # ConfigError is defined in yaml_config (shared with the server's config); callers import it here.
-from tiercache.config.yaml_file import ConfigError, load_settings
-from tiercache.config.yaml_file import YamlBackedSettings
+from tiercache.config.yaml_file import ConfigError, YamlBackedSettings, load_settings
 
 ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 PolicyName = Literal["lru", "arc"]
@@ -147,70 +147,6 @@ class MetricsConfig(_Frozen):
     host: str = Field(default="127.0.0.1", description="Bind address of the /metrics server.")
 
 
-class PDConfig(_Frozen):
-    """Prefill/decode hand-off (kv_role kv_producer / kv_consumer; see docs/pd.md)."""
-
-    mode: Literal["via_host", "direct"] = Field(
-        default="via_host",
-        description="Producer: via_host (default): the prompt's chunks are copied into the host tier, "
-        "registered with NIXL, and the device blocks are freed at once. direct: the device blocks "
-        "stay allocated (pinned by tiercache in vLLM's block pool) until the consumer has read them "
-        "straight from the engine's KV tensors (no host copy on either side), or until "
-        "handoff_timeout_s.",
-    )
-    nixl_error_handling: Literal["none", "peer"] = Field(
-        default="none",
-        description="UCX error-handling mode of tiercache's NIXL agents. none (default): one-sided "
-        "transports (shared memory / CMA on one host, RDMA) are allowed, so a read needs no help "
-        "from the producer's CPU; a dead producer still fails the read (or read_timeout_s does). "
-        "peer: UCX's peer-failure handling, which on one host rules out those transports (UCX "
-        "falls back to tcp, and the producer must progress UCX for every read).",
-    )
-    busy_progress: bool | None = Field(
-        default=None,
-        description="Producer: while hand-offs are held, run a thread that progresses UCX every "
-        "0.2 ms (needed when reads go over tcp; with one-sided transports nothing needs it). "
-        "Default: on with nixl_error_handling peer, off with none.",
-    )
-    host: str = Field(
-        default="127.0.0.1",
-        description="Producer: address its side channel binds and advertises to consumers.",
-    )
-    port: int = Field(
-        default=5700, ge=1, le=65535 - 64,
-        description="Producer: side-channel TCP port of TP rank 0 (rank r listens on port + r).",
-    )
-    handoff_timeout_s: float = Field(
-        default=120.0, gt=0,
-        description="Producer: a hand-off nobody read after this long is released (its memory returns).",
-    )
-    read_timeout_s: float = Field(
-        default=10.0, gt=0,
-        description="Consumer: longest wait for a producer (handshake, readiness, the NIXL read); "
-        "past it the load fails and the engine recomputes.",
-    )
-    keep_received: bool = Field(
-        default=True,
-        description="Consumer: offer what a hand-off delivered to its own host tier (the normal store "
-        "path: a copy out of the blocks per hand-off; both modes READ straight into the blocks). "
-        "false: a pure decode engine.",
-    )
-    huge_pages: bool = Field(
-        default=True,
-        description="Back the host memory a peer's NIXL READ copies from or into with 2 MiB "
-        "transparent huge pages: the host slab (a prefaulted slab only) and, where vLLM keeps the KV "
-        "cache in host memory (its CPU platform), the engine's KV tensors, moved in place at "
-        "start-up (MADV_COLLAPSE, contents kept). On one host a READ pins its source one 4 KiB "
-        "page at a time: 31.5 MiB took 3.3 ms from small pages and 1.8 ms from huge ones "
-        "(docs/PERFORMANCE.md). Best effort: a kernel without THP (or set to never) keeps small "
-        "pages, and the worker's log says how much became huge.",
-    )
-    max_peer_chunks: int = Field(
-        default=65536, ge=1,
-        description="Consumer: how many announced producer chunks it remembers at once.",
-    )
-
-
 class TierCacheConfig(YamlBackedSettings):
     """The whole tiercache configuration (frozen once built)."""
 
@@ -266,7 +202,7 @@ class TierCacheConfig(YamlBackedSettings):
     )
 
     @model_validator(mode="after")
-    def _check_tiers(self) -> "TierCacheConfig":
+    def _check_tiers(self) -> TierCacheConfig:
         names = [t.name for t in self.tiers]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

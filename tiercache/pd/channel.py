@@ -10,21 +10,39 @@ blocks (``remote_block_ids``). The producer's end is
 :class:`tiercache.pd.link.PeerLink`.
 
 Messages are msgpack maps framed by a 4-byte big-endian length, bounded by
-``MAX_MESSAGE_BYTES``; anything else closes that connection only::
+``MAX_MESSAGE_BYTES`` (the producer accepts far less: 8 KiB before
+authentication, 64 KiB after, :mod:`tiercache.pd.side_channel`); anything
+else closes that connection only. First a mutual authentication with the
+shared ``pd.secret`` (the proofs: :mod:`tiercache.pd.auth`), then the
+fingerprint check and the addresses, then read notices::
 
     consumer -> producer                       producer -> consumer
-    {"op": "hello", "fingerprint": {...}}      {"ok": true, "agent": name, "metadata": bytes,
+    {"op": "hello", "nonce": 32 bytes}         {"ok": true, "nonce": 32 bytes}
+                                               (nothing else before the proof)
+    {"op": "prove", "proof": HMAC,             wrong proof: {"ok": false, "error": "authentication
+     "fingerprint": {...}}                     failed"}, closed. Right proof: {"ok": true,
+                                                "proof": HMAC, "agent": name, "metadata": bytes,
                                                 "fingerprint": {...}, "slab_addr": int,
                                                 "slot_bytes": int, "num_slots": int,
-                                                "tags_addr": int,
+                                                "tags_addr": int, "hashes_addr": int,
+                                                "hash_positions": int,
                                                 planes slab: "slot_planes": {...},
                                                 mode direct: "blocks": {...},
                                                 "block_tags_addr": int}
-                                               or {"ok": false, "error": "..."}
-    {"op": "read", "request_id": str}          (none: the producer releases that hand-off)
+                                               or {"ok": false, "proof": HMAC, "error":
+                                                "incompatible peer: differing fields: a, b"}
+    {"op": "read", "request_id": str,          (none: the producer releases that hand-off if
+     "token": str}                              the token is the hand-off's release token)
     another TP size, several consumer ranks read this producer rank:
     {"op": "read", "request_id": str,          (none: released once ``readers`` distinct
-     "rank": int, "readers": int}               consumer ranks have said so)
+     "token": str, "rank": int, "readers": int} consumer ranks have said so)
+
+The consumer believes nothing in the producer's answer before it checked the
+producer's proof. A refusal names the differing fingerprint fields, never
+their values (the fingerprint holds the tenant salt's digest); the consumer's
+log adds its own values. The release token comes with the hand-off params
+(``tiercache.release_token``): only the consumer the hand-off was given to
+can release it, and only on an authenticated connection.
 
 A consumer of another TP size (:mod:`tiercache.pd.heads`) is accepted when
 only ``tp_size``/``bytes_per_chunk`` differ and the ratio allows it; the
@@ -123,17 +141,17 @@ def recv_message(sock: socket.socket) -> dict[str, Any]:
     return decode_body(_recv_exact(sock, size))
 
 
-def take_body(buf: bytearray) -> bytes | None:
+def take_body(buf: bytearray, limit: int = MAX_MESSAGE_BYTES) -> bytes | None:
     """The first whole message body in ``buf`` (removed from it), or None while it is incomplete.
 
     For a non-blocking reader that collects bytes as they come; ChannelError if
-    the length exceeds ``MAX_MESSAGE_BYTES``.
+    the length exceeds ``limit``.
     """
     if len(buf) < _LEN.size:
         return None
     (size,) = _LEN.unpack_from(buf)
-    if size > MAX_MESSAGE_BYTES:
-        raise ChannelError(f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if size > limit:
+        raise ChannelError(f"message of {size} bytes exceeds {limit}")
     if len(buf) < _LEN.size + size:
         return None
     body = bytes(buf[_LEN.size:_LEN.size + size])

@@ -7,8 +7,9 @@ routers written for vLLM's P/D forward them unchanged::
     {"do_remote_prefill": True, "do_remote_decode": False,
      "remote_engine_id": ..., "remote_host": ..., "remote_port": ...,
      "remote_block_ids": [slot or block, ...], "remote_request_id": ..., "tp_size": ...,
-     "tiercache": {"version": 4, "mode": "via_host" | "direct",
-                   "chunk_keys": [hex, ...], "tail_tokens": int, "fingerprint": {...}}}
+     "tiercache": {"version": 5, "mode": "via_host" | "direct",
+                   "chunk_keys": [hex, ...], "tail_tokens": int, "fingerprint": {...},
+                   "release_token": hex}}
 
 ``remote_host``/``remote_port`` name the producer's side channel (rank 0;
 rank r listens on port + r); ``chunk_keys`` are the prompt's chunk keys the
@@ -20,7 +21,11 @@ tags, see tiercache.pd.channel). ``tail_tokens`` > 0 says the last key is the
 prompt's partial last chunk of that many tokens (connector/prompt_tail.py): one
 slot, or the blocks it spans, ``ceil(tail_tokens / block_size)``; ``fingerprint`` is the
 producer's key namespace (model, dtype, layout, block and chunk size, TP
-size, ...). The consumer refuses a hand-off whose fingerprint differs from its
+size, ...); ``release_token`` is what the consumer's read notice must echo for
+the producer to release the hand-off (:func:`tiercache.pd.auth.release_token`:
+a forged or replayed-for-another-request notice leaves it held). The consumer
+trusts none of these: it reads only from producers its own config trusts
+(:mod:`tiercache.pd.trust`), and checks what it read (tags, page hashes). The consumer refuses a hand-off whose fingerprint differs from its
 own, naming every difference (:func:`mismatches`), except a TP size that
 differs by a ratio tiercache.pd.heads can read head by head
 (:func:`tiercache.pd.heads.tp_mismatches`).
@@ -35,7 +40,7 @@ from typing import Any
 
 from tiercache.keys import Namespace
 
-PARAMS_VERSION = 4  # 4: tail_tokens (a consumer of version 3 refuses, and recomputes)
+PARAMS_VERSION = 5  # 5: release_token; 4: tail_tokens (a consumer of another version refuses, and recomputes)
 MODES = ("via_host", "direct")
 
 
@@ -76,6 +81,7 @@ class Handoff:
     tp_size: int = 1
     mode: str = "via_host"
     tail_tokens: int = 0  # > 0: the last key is the prompt's partial last chunk, of this many tokens
+    release_token: str = ""  # the read notice's proof that it comes from the consumer given this hand-off
 
     @property
     def full_keys(self) -> tuple[bytes, ...]:
@@ -107,6 +113,7 @@ class Handoff:
                 "chunk_keys": [k.hex() for k in self.keys],
                 "tail_tokens": self.tail_tokens,
                 "fingerprint": dict(self.fingerprint),
+                "release_token": self.release_token,
             },
         }
 
@@ -145,9 +152,15 @@ class Handoff:
             port = int(params["remote_port"])
             if not 0 < port < 65536:
                 raise HandoffError(f"remote_port: {port} out of range")
+            host = params["remote_host"]
+            if not isinstance(host, str) or not 0 < len(host) <= 255:
+                raise HandoffError("remote_host: expected a host name or address")
+            token = ours.get("release_token", "")
+            if not isinstance(token, str) or len(token) > 128:
+                raise HandoffError("tiercache.release_token: expected a hex string")
             return cls(
                 engine_id=str(params["remote_engine_id"]),
-                host=str(params["remote_host"]),
+                host=host,
                 port=port,
                 request_id=str(params["remote_request_id"]),
                 keys=keys,
@@ -156,6 +169,7 @@ class Handoff:
                 tp_size=int(params.get("tp_size", 1)),
                 mode=mode,
                 tail_tokens=tail_tokens,
+                release_token=token,
             )
         except HandoffError:
             raise

@@ -21,11 +21,13 @@ thread at a time (the consumer reader's, under its ``_io_lock``).
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+from tiercache.pd import auth
 from tiercache.pd.blocks import BlockRegions
 from tiercache.pd.channel import REPLY_TIMEOUT_S, ChannelError, recv_message, send_message
 from tiercache.pd.heads import PageHeads, tp_mismatches
@@ -37,10 +39,18 @@ HELLO_ATTEMPT_S = 1.0  # one handshake attempt's timeout; attempts repeat until 
 Address = tuple[str, int]  # a producer rank's side channel: (host, port)
 
 
-class PeerLink:
-    """Consumer: the handshake with one producer rank (its agent added to ours)."""
+class AuthError(ChannelError):
+    """The producer did not prove it holds our secret, or refused our proof (not retried within a read)."""
 
-    def __init__(self, host: str, port: int, fingerprint: dict[str, Any], agent: Any, timeout_s: float) -> None:
+
+class PeerLink:
+    """Consumer: the handshake with one producer rank (its agent added to ours).
+
+    ``key``: the shared secret (empty: none configured; a producer with one refuses us).
+    """
+
+    def __init__(self, host: str, port: int, fingerprint: dict[str, Any], agent: Any, timeout_s: float,
+                 key: bytes = b"") -> None:
         self.address = f"{host}:{port}"
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -48,21 +58,39 @@ class PeerLink:
             raise ChannelError(f"producer {self.address} unreachable: {exc}") from exc
         self._sock = sock  # kept open: read notices go over it
         try:
-            metadata = self._hello(fingerprint)
+            metadata = self._hello(fingerprint, key)
         except ChannelError:
             sock.close()
             raise
         name = agent.add_remote_agent(metadata)
         self.agent_name = name.decode() if isinstance(name, bytes) else str(name)
-    def _hello(self, fingerprint: dict[str, Any]) -> bytes:
-        """The handshake: check the producer's answer, keep its addresses; its agent metadata."""
+
+    def _exchange(self, message: dict[str, Any]) -> dict[str, Any]:
         try:
-            send_message(self._sock, {"op": "hello", "fingerprint": fingerprint})
-            reply = recv_message(self._sock)
+            send_message(self._sock, message)
+            return recv_message(self._sock)
         except (OSError, ChannelError) as exc:
-            raise ChannelError(f"producer {self.address}: hello: {exc}") from exc
+            raise ChannelError(f"producer {self.address}: handshake: {exc}") from exc
+
+    def _hello(self, fingerprint: dict[str, Any], key: bytes) -> bytes:
+        """The handshake: mutual proofs, then the producer's answer checked; its agent metadata."""
+        ours = auth.new_nonce()
+        challenge = self._exchange({"op": "hello", "nonce": ours})
+        theirs = challenge.get("nonce")
+        if not challenge.get("ok") or not auth.valid_nonce(theirs):
+            raise ChannelError(f"producer {self.address}: handshake: no challenge ({challenge.get('error')!r:.200})")
+        reply = self._exchange({"op": "prove", "proof": auth.consumer_proof(key, ours, theirs),
+                                "fingerprint": fingerprint})
+        if "proof" not in reply and not reply.get("ok"):
+            raise AuthError(f"producer {self.address} refused our proof: {str(reply.get('error'))[:200]} "
+                            "(pd.secret differs, or only one side has one)")
+        if not auth.proof_matches(auth.producer_proof(key, ours, theirs), reply.get("proof")):
+            raise AuthError(f"producer {self.address} did not prove it holds our pd.secret: not read from")
         if not reply.get("ok"):
-            raise ChannelError(f"producer {self.address} refused us: {reply.get('error')}")
+            error = str(reply.get("error"))[:500]
+            fields = error.rpartition("differing fields: ")[2].split(", ") if "differing fields" in error else []
+            mine = "; ".join(f"{f} (ours: {fingerprint.get(f, '<absent>')!r})" for f in fields if f)
+            raise ChannelError(f"producer {self.address} refused us: {error}" + (f"; {mine}" if mine else ""))
         diff = tp_mismatches(fingerprint, reply.get("fingerprint") or {})
         if diff:
             raise ChannelError(f"producer {self.address} is incompatible: " + "; ".join(diff))
@@ -76,19 +104,23 @@ class PeerLink:
             # mode direct: the producer's KV blocks and their tags (absent when it exposes none)
             self.blocks = BlockRegions.from_wire(reply["blocks"]) if "blocks" in reply else None
             self.block_tags_addr = int(reply.get("block_tags_addr", 0))
+            # one xxh3-64 per slot position (tiercache.pd.page_hashes); 0: none published
+            self.hashes_addr = int(reply.get("hashes_addr", 0))
+            self.hash_positions = int(reply.get("hash_positions", 0))
             # its pages by KV head (a consumer of another TP size reads head sub-runs; absent: unknown)
             self.page_heads = PageHeads.from_wire(reply["page_heads"]) if "page_heads" in reply else None
             return bytes(reply["metadata"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ChannelError(f"producer {self.address}: malformed hello answer: {exc!r}") from exc
 
-    def notify_read(self, request_id: str, rank: int = 0, readers: int = 1) -> None:
+    def notify_read(self, request_id: str, token: str, rank: int = 0, readers: int = 1) -> None:
         """Tell the producer its hand-off ``request_id`` was read (one-way; it releases the chunks).
 
-        ``readers`` > 1 (a consumer of another TP size): that many consumer ranks read this
-        producer rank; it counts the hand-off read once each (``rank``) has said so.
+        ``token``: the hand-off's release token (from its params); the producer ignores a notice
+        without the right one. ``readers`` > 1 (a consumer of another TP size): that many consumer
+        ranks read this producer rank; it counts the hand-off read once each (``rank``) has said so.
         """
-        message: dict[str, Any] = {"op": "read", "request_id": request_id}
+        message: dict[str, Any] = {"op": "read", "request_id": request_id, "token": token}
         if readers > 1:
             message.update(rank=rank, readers=readers)
         try:
@@ -97,6 +129,14 @@ class PeerLink:
         except OSError as exc:
             raise ChannelError(f"producer {self.address}: read notification: {exc}") from exc
 
+    def alive(self) -> bool:
+        """The producer has not closed the link (its idle timeout, a restart): nothing to read on it."""
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            return not readable or bool(self._sock.recv(1, socket.MSG_PEEK))
+        except (OSError, ValueError):
+            return False
+
     def close(self) -> None:
         self._sock.close()
 
@@ -104,14 +144,16 @@ class PeerLink:
 class PeerLinks:
     """A consumer's links by producer address: handshakes retried, refusals remembered, failed links dropped.
 
-    ``counters`` is the reader's: ``hello_retries`` and ``refused_peers`` are
-    counted in it. ``on_drop`` runs before a dropped link closes (the reader
-    forgets what it holds for that producer's agent).
+    ``counters`` is the reader's: ``hello_retries``, ``refused_peers`` and
+    ``auth_failures`` are counted in it. ``on_drop`` runs before a dropped link
+    closes (the reader forgets what it holds for that producer's agent).
+    ``key``: the shared secret (empty: none).
     """
 
     def __init__(self, agent: Any, fingerprint: dict[str, Any], timeout_s: float, counters: dict[str, int],
-                 on_drop: Callable[[PeerLink], None]) -> None:
+                 on_drop: Callable[[PeerLink], None], key: bytes = b"") -> None:
         self.agent = agent
+        self._key = key
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self.counters = counters
@@ -120,14 +162,18 @@ class PeerLinks:
         self._refused: dict[Address, str] = {}
 
     def __contains__(self, addr: Address) -> bool:
-        """Shaken hands with already (a read from it need not wait for the producer's answer)."""
-        return addr in self._links
+        """Shaken hands with already, and still open (a read from it need not wait for the producer's answer)."""
+        link = self._links.get(addr)
+        return link is not None and link.alive()
 
     def get(self, addr: Address) -> PeerLink:
         """The link to ``addr``, shaking hands first if there is none (ChannelError if refused or unreachable)."""
         if addr in self._refused:
             raise ChannelError(self._refused[addr])
         link = self._links.get(addr)
+        if link is not None and not link.alive():  # the producer closed it: shake hands again
+            self.drop(addr)
+            link = None
         if link is None:
             link = self._connect(addr)
             self._links[addr] = link
@@ -144,7 +190,11 @@ class PeerLinks:
         while True:
             attempt_s = min(HELLO_ATTEMPT_S, max(0.05, deadline - time.monotonic()))
             try:
-                return PeerLink(addr[0], addr[1], self.fingerprint, self.agent, attempt_s)
+                return PeerLink(addr[0], addr[1], self.fingerprint, self.agent, attempt_s, self._key)
+            except AuthError as exc:
+                self.counters["auth_failures"] += 1
+                logger.error("tiercache P/D: %s", exc)
+                raise
             except ChannelError as exc:
                 if "refused us" in str(exc) or "incompatible" in str(exc):
                     self.refuse(addr, str(exc))
@@ -168,7 +218,7 @@ class PeerLinks:
             link.close()
             try:
                 self.agent.remove_remote_agent(link.agent_name)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.debug("tiercache P/D: removing agent %s failed", link.agent_name, exc_info=True)
 
     def close(self) -> None:

@@ -52,13 +52,20 @@ from typing import Any
 
 from tiercache import faults
 from tiercache.backend import JobResult
+from tiercache.jobs import CopySegment, FromReader, LoadChunk
 from tiercache.pd.blocks import BlockRegions
 from tiercache.pd.channel import ChannelError, key_tag, make_agent
 from tiercache.pd.heads import HeadRun, PageHeads, head_runs, readers_of
 from tiercache.pd.link import PeerLink, PeerLinks
+from tiercache.pd.peer_chunks import PeerChunk as PeerChunk  # re-exported
+from tiercache.pd.peer_chunks import PeerSource as PeerSource
 from tiercache.pd.read_plans import (
     PEER_DEVICE_TO_DEVICE as PEER_DEVICE_TO_DEVICE,  # re-exported: the metric paths
+)
+from tiercache.pd.read_plans import (
     PEER_HOST_TO_DEVICE as PEER_HOST_TO_DEVICE,
+)
+from tiercache.pd.read_plans import (
     IncompatibleBlocks,
     block_plan,
     head_plan,
@@ -67,39 +74,13 @@ from tiercache.pd.read_plans import (
 from tiercache.pd.tagged_reads import MustWait, TaggedReader
 from tiercache.pd.transfer_log import PEER_DATA_READ as PEER_DATA_READ  # re-exported: a metric path
 from tiercache.pd.transfer_log import Transfer, TransferLog
+from tiercache.pd.trust import ProducerTrust
 from tiercache.shards import ShardError
-from tiercache.jobs import CopySegment, FromReader, LoadChunk
 
 logger = logging.getLogger(__name__)
 
 PEER_TIER = "peer"
 _POLL_BURST_S = 0.002
-
-
-@dataclass(frozen=True)
-class PeerSource:
-    """Which producer handed a request's chunks off: its side channel and its request id."""
-
-    host: str
-    port: int
-    request_id: str
-    tp_size: int = 0  # the producer's TP size (0: ours); another: our heads' sub-runs (tiercache.pd.heads)
-
-
-@dataclass(frozen=True)
-class PeerChunk:
-    """One handed-off chunk: its producer and where the producer holds it.
-
-    Mode via_host: ``slot`` is the producer's host slot. Mode direct: ``slot``
-    is -1 and ``blocks`` are the producer's KV blocks of the chunk. ``tag``: the
-    key's :func:`key_tag`, computed by the scheduler that learned the hand-off
-    (off the worker's READ path); 0: computed at the read.
-    """
-
-    source: PeerSource
-    slot: int
-    blocks: tuple[int, ...] = ()
-    tag: int = 0
 
 
 @dataclass
@@ -114,8 +95,12 @@ class NixlPeerTier:
     name = "nixl_peer"
 
     def __init__(self, chunk_bytes: int, fingerprint: dict[str, Any], rank: int, read_timeout_s: float,
-                 error_handling: str = "none", max_blocks: int = 1) -> None:
+                 error_handling: str = "none", max_blocks: int = 1, *, key: bytes = b"",
+                 trust: ProducerTrust | None = None) -> None:
+        """``key``: the side channel's shared secret (empty: none); ``trust``: whom we read from
+        (default: producers proven by ``key``, or loopback ones without it)."""
         self.chunk_bytes = chunk_bytes
+        self.trust = trust or ProducerTrust((), has_secret=bool(key))
         self.fingerprint = fingerprint
         self.rank = rank
         self.read_timeout_s = read_timeout_s
@@ -123,13 +108,14 @@ class NixlPeerTier:
         self._io_lock = threading.Lock()
         self.agent = make_agent("consumer", error_handling)
         self.counters = {"read_chunks": 0, "read_bytes": 0, "failed_chunks": 0, "refused_peers": 0,
-                         "hello_retries": 0, "stale_chunks": 0, "inline_jobs": 0,
+                         "hello_retries": 0, "stale_chunks": 0, "inline_jobs": 0, "auth_failures": 0,
+                         "untrusted_peers": 0, "corrupt_chunks": 0,
                          "data_descs": 0}  # NIXL descriptors of data READs (tags not counted)
         # one tag per block of the largest possible job (a slot's tag per chunk: fewer)
         self._reads = TaggedReader(self.agent, max_blocks, self.counters)
         self._mirrors = self._reads.mirrors  # (producer agent, tags addr) -> its tags
         self._regs = [self._reads.reg]
-        self._links = PeerLinks(self.agent, fingerprint, read_timeout_s, self.counters, self._reads.forget)
+        self._links = PeerLinks(self.agent, fingerprint, read_timeout_s, self.counters, self._reads.forget, key)
         self.blocks: BlockRegions | None = None
         # our pages by KV head (set by the worker): producers of another TP size are read head by head
         self.page_heads: PageHeads | None = None
@@ -200,7 +186,7 @@ class NixlPeerTier:
         for reg in self._regs:
             try:
                 self.agent.deregister_memory(reg)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.debug("tiercache P/D: deregistering consumer memory failed", exc_info=True)
 
     # ---------------------------------------------------------------- I/O thread
@@ -212,7 +198,7 @@ class NixlPeerTier:
             with self._io_lock:
                 try:
                     result = self._run_job(job, wait=True)
-                except Exception as exc:  # noqa: BLE001 - the reader outlives anything a peer sends
+                except Exception as exc:
                     faults.record(faults.READER_EXCEPTION, exc, where="pd reader")
                     result = JobResult(job.job_id, (), tuple(job.keys), 0, 0.0)
                 self._finish(result)
@@ -276,6 +262,10 @@ class NixlPeerTier:
         start = time.monotonic()
         deadline = start + self.read_timeout_s
         try:
+            untrusted = self.trust.why_not(src.host, src.port)
+            if untrusted:  # nothing connects to it, nothing is read
+                self.counters["untrusted_peers"] += 1
+                raise ChannelError(untrusted)
             if self._hetero(src):
                 return self._read_heads(src, keys, segments, chunks, wait, start, deadline)
             link = self._link(src)
@@ -293,7 +283,7 @@ class NixlPeerTier:
                 raise ChannelError(f"producer {link.address}: a hand-off mixes host slots and KV blocks")
             t0 = time.monotonic()
             expected = [c.tag or key_tag(k) for k, c in zip(keys, chunks)]
-            arrived, data_bytes, data_secs = self._reads.read(link, plan, expected, blocks.mem_type, deadline,
+            arrived, data_bytes, data_secs = self._reads.read(link, plan, expected, blocks, deadline,
                                                               wait, self._poll_burst())
             t1 = time.monotonic()
             moved = sum(len(segments[i].block_ids) for i in arrived) * sum(blocks.pages)
@@ -310,7 +300,7 @@ class NixlPeerTier:
             return []
         except MustWait:
             raise
-        except Exception as exc:  # noqa: BLE001 - garbage from a peer (metadata, a plan): its keys fail
+        except Exception as exc:
             faults.record(faults.READER_EXCEPTION, exc, where=f"pd reader {src.host}:{src.port}")
             self._failed(src, len(keys), start, exc)
             return []
@@ -338,7 +328,7 @@ class NixlPeerTier:
             except IncompatibleBlocks as exc:
                 self._links.refuse((src.host, src.port + prank), f"producer {link.address} is incompatible: {exc}")
                 raise
-            got, data_bytes, data_secs = self._reads.read(link, plan, expected, blocks.mem_type, deadline,
+            got, data_bytes, data_secs = self._reads.read(link, plan, expected, blocks, deadline,
                                                           wait, self._poll_burst())
             arrived = set(got) if arrived is None else arrived & set(got)
             links.append((link, prank))
@@ -373,7 +363,7 @@ class NixlPeerTier:
         Over the side channel, not as a NIXL notification (why: :mod:`tiercache.pd.channel`).
         """
         try:
-            link.notify_read(src.request_id, self.rank, readers)
+            link.notify_read(src.request_id, src.release_token, self.rank, readers)
         except ChannelError:  # the hold then expires on the producer
             logger.warning("tiercache P/D: notifying %s failed", link.address, exc_info=True)
 
@@ -384,7 +374,7 @@ class NixlPeerTier:
         return _POLL_BURST_S if threading.current_thread() is self._thread else float("inf")
 
     def _failed(self, src: PeerSource, n: int, start: float, exc: Exception) -> None:
-        logger.warning("tiercache P/D: %d chunks from %s:%d not read after %.2fs: %s: %s", n, src.host, src.port,
+        logger.warning("tiercache P/D: %d chunks from %r:%d not read after %.2fs: %s: %s", n, src.host[:80], src.port,
                        time.monotonic() - start, type(exc).__name__, exc)
         for prank in self._producer_ranks(src):  # the next read shakes hands again
             self._links.drop((src.host, src.port + prank))

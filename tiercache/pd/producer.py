@@ -3,10 +3,17 @@
 :class:`ProducerEndpoint` registers the producer's host slab (and, mode
 direct, its KV blocks) with a NIXL agent, with one tag per slot (or block)
 beside it (the tags' meaning: :mod:`tiercache.pd.channel`), and answers the
-side channel: a consumer's hello gets the addresses it READs from, a
-consumer's read notice tells the worker to release that hand-off.
+side channel (:class:`tiercache.pd.side_channel.SideChannel`: bounded
+connections, mutual authentication with ``pd.secret`` first): an
+authenticated consumer's hello gets the addresses it READs from, and its read
+notice, carrying the hand-off's release token (:func:`tiercache.pd.auth.release_token`
+under the release key the scheduler sends each step, :meth:`set_release_key`),
+tells the worker to release that hand-off; a notice with another token is
+counted (``forged_notices``) and ignored. Mode via_host also publishes, beside
+each slot's tag, one xxh3-64 per chunk position (:mod:`tiercache.pd.page_hashes`),
+computed when the copy into the slot finished, before the tag names the chunk.
 
-A side-channel thread answers handshakes and records read notices at once
+The side-channel thread answers handshakes and records read notices at once
 (blocked in ``select`` otherwise), and the worker calls
 :meth:`ProducerEndpoint.service` every engine step to collect the request ids
 read since (and progress UCX). With UCX error handling ``none`` (the default,
@@ -22,8 +29,9 @@ took 90-200 ms with progress once per step, 2 ms with continuous progress;
 with ``none``, 1-2 ms and no producer involvement at all.
 
 Threads: every public method on the worker thread only (it alone writes the
-tag arrays); the side-channel thread owns the sockets and reads only fields
-fixed before it serves (``blocks``, the tag arrays' addresses); the progress
+tag and hash arrays, and the release key: one reference, replaced whole); the
+side-channel thread owns the sockets and reads only fields fixed before it
+serves (``blocks``, the arrays' addresses) and the release key; the progress
 thread only progresses UCX. The NIXL agent's calls from more than one thread
 are serialised by ``_agent_lock``, the read request ids by ``_read_lock``.
 Buffers: the slab and the KV blocks belong to the worker; this object
@@ -33,8 +41,6 @@ registers them and deregisters them at :meth:`close`.
 from __future__ import annotations
 
 import logging
-import selectors
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -42,24 +48,18 @@ from typing import Any
 
 import numpy as np
 
-from tiercache import faults
+from tiercache.config.pd import is_loopback
+from tiercache.config.schema import ConfigError
+from tiercache.pd import auth
 from tiercache.pd.blocks import BlockRegions
-from tiercache.pd.channel import (
-    REPLY_TIMEOUT_S,
-    ChannelError,
-    decode_body,
-    encode_message,
-    key_tag,
-    make_agent,
-    take_body,
-)
+from tiercache.pd.channel import ChannelError, key_tag, make_agent
 from tiercache.pd.heads import PageHeads, tp_mismatches
+from tiercache.pd.page_hashes import positions_of, slot_hashes
+from tiercache.pd.side_channel import ChannelLimits, SideChannel
 
 logger = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 256
 MAX_PARTIAL_READS = 4096  # hand-offs heard from some, not yet all, consumer ranks of another TP size
-_RECV_BYTES = 64 * 1024
 PROGRESS_INTERVAL_S = 0.0002  # busy progress: pause between bursts while hand-offs are held
 PROGRESS_BURST_S = 0.002  # busy progress: one burst of back-to-back UCX progress calls
 
@@ -71,27 +71,31 @@ class ProducerEndpoint:
                  fingerprint: dict[str, Any], host: str, port: int,
                  error_handling: str = "none", busy_progress: bool = False,
                  blocks: BlockRegions | None = None, slot_planes: BlockRegions | None = None,
-                 page_heads: PageHeads | None = None) -> None:
+                 page_heads: PageHeads | None = None, *, key: bytes = b"",
+                 limits: ChannelLimits = ChannelLimits(), pages: Sequence[int] | None = None) -> None:
+        """``key``: the shared secret (empty: none, and ``host`` must be loopback, else ConfigError);
+        ``pages``: per KV region, one page's bytes (slot positions are hashed; planes give their own)."""
+        if not key and not is_loopback(host):
+            raise ConfigError(f"pd.secret: required when pd.host ({host}) is not a loopback address")
         self.slab_addr, self.slot_bytes, self.num_slots = slab_addr, slot_bytes, num_slots
         # our pages by KV head: consumers of another TP size read their heads' sub-runs (tiercache.pd.heads)
         self.page_heads = page_heads
         self.slot_planes = slot_planes  # a planes slab's planes (inside the slab), else None
         self.fingerprint = fingerprint
         self.tags = np.zeros(num_slots, dtype=np.uint64)  # written by this worker thread only
+        # one hash per slot position (tiercache.pd.page_hashes), when the pages are known
+        self._pages = tuple(slot_planes.pages) if slot_planes is not None else tuple(pages or ())
+        self.hash_positions = positions_of(slot_bytes, self._pages) if self._pages else 0
+        self.hashes = np.zeros(max(1, num_slots * self.hash_positions), dtype=np.uint64)
         self.agent = make_agent("producer", error_handling)
         self._reg = self.agent.register_memory(
-            [(slab_addr, slot_bytes * num_slots, 0, ""), (int(self.tags.ctypes.data), self.tags.nbytes, 0, "")],
+            [(slab_addr, slot_bytes * num_slots, 0, ""), (int(self.tags.ctypes.data), self.tags.nbytes, 0, ""),
+             (int(self.hashes.ctypes.data), self.hashes.nbytes, 0, "")],
             "DRAM")
         self.agent_name: str = self.agent.name
-        self._listener = socket.create_server((host, port))
-        self._listener.setblocking(False)
-        self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the side-channel thread
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._inbox: dict[socket.socket, bytearray] = {}
         self.address = f"{host}:{port}"
-        self.counters = {"hellos": 0, "refused": 0, "bad_messages": 0}
+        self.counters = {"hellos": 0, "refused": 0, "forged_notices": 0}  # the side channel's: self.channel.counters
+        self._release_key: bytes | None = None  # set by the worker from the step metadata
         self._agent_lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._read: set[str] = set()
@@ -111,8 +115,8 @@ class ProducerEndpoint:
         if busy_progress:
             self._progress = threading.Thread(target=self._progress_loop, name="tiercache-pd-progress", daemon=True)
             self._progress.start()
-        self._serving = threading.Thread(target=self._serve_loop, name="tiercache-pd-side-channel", daemon=True)
-        self._serving.start()
+        self.channel = SideChannel(host, port, key, limits, self._answer_hello, self._on_read)
+        self.channel.start()
         logger.info("tiercache P/D producer: side channel on %s, NIXL agent %s", self.address, self.agent_name)
 
     # -------------------------------------------------------------- slot tags
@@ -122,9 +126,18 @@ class ProducerEndpoint:
             self.tags[slot] = 0
 
     def slot_filled(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        """The copies of ``keys`` into ``slots`` finished: they may be read."""
+        """The copies of ``keys`` into ``slots`` finished: their hashes, then their tags (they may be read)."""
+        n = self.hash_positions
         for key, slot in zip(keys, slots):
+            if n:
+                self.hashes[slot * n:(slot + 1) * n] = slot_hashes(slot, self.slab_addr, self.slot_bytes,
+                                                                   self._pages, self.slot_planes)
             self.tags[slot] = key_tag(key)
+
+    def set_release_key(self, release_key: bytes) -> None:
+        """The scheduler's release key (tiercache.pd.auth): read notices must carry its token for the request."""
+        if release_key:
+            self._release_key = release_key
 
     # ----------------------------------------------------- mode direct: blocks
     def _expose_blocks(self, blocks: BlockRegions) -> None:
@@ -173,21 +186,6 @@ class ProducerEndpoint:
             out, self._read = self._read, set()
         return out
 
-    def _serve_loop(self) -> None:
-        """The side-channel thread: handshakes are answered at once, engine steps or not."""
-        while not self._closed:
-            try:
-                events = self._selector.select(timeout=1.0)
-            except (OSError, ValueError):
-                return  # closed under us
-            for sel_key, _ in events:
-                if sel_key.fileobj is self._wake_r:
-                    return
-                if sel_key.fileobj is self._listener:
-                    self._accept()
-                else:
-                    self._receive(sel_key.fileobj)  # type: ignore[arg-type]
-
     def _progress_loop(self) -> None:
         """tcp transports: move consumers' READs between engine steps while hand-offs are held."""
         while not self._closed:
@@ -200,87 +198,44 @@ class ProducerEndpoint:
                 self._progress_ucx()
             time.sleep(PROGRESS_INTERVAL_S)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                logger.warning("tiercache P/D: accept on %s failed", self.address, exc_info=True)
-                return
-            if len(self._inbox) >= MAX_CONNECTIONS:
-                conn.close()
-                continue
-            conn.setblocking(False)
-            self._inbox[conn] = bytearray()
-            self._selector.register(conn, selectors.EVENT_READ, None)
-
-    def _receive(self, conn: socket.socket) -> None:
-        buf = self._inbox[conn]
-        try:
-            part = conn.recv(_RECV_BYTES)
-        except (BlockingIOError, InterruptedError):
+    def _on_read(self, message: dict[str, Any]) -> None:
+        """Side-channel thread: an authenticated consumer's read notice; released if its token is right."""
+        rid, token = message.get("request_id"), message.get("token")
+        if not isinstance(rid, str) or len(rid) > 1024:
+            raise ChannelError("read message without a request id")
+        readers, rank = message.get("readers", 1), message.get("rank", 0)
+        if not (isinstance(readers, int) and isinstance(rank, int) and 1 <= readers <= 4096):
+            raise ChannelError("read message with a bad reader count or rank")
+        if not auth.token_matches(self._release_key, rid, token):
+            self.counters["forged_notices"] += 1
+            if self.counters["forged_notices"] in (1, 10, 100) or self.counters["forged_notices"] % 1000 == 0:
+                logger.warning("tiercache P/D: %s: %d read notices without their hand-off's release token "
+                               "ignored (hand-offs stay held until read or expired)", self.address,
+                               self.counters["forged_notices"])
             return
-        except OSError:
-            part = b""
-        if not part:
-            self._drop(conn)
-            return
-        buf += part
-        try:
-            while (body := take_body(buf)) is not None:
-                answer = self._answer(decode_body(body))
-                if answer is None:
-                    continue  # a one-way message
-                conn.settimeout(REPLY_TIMEOUT_S)  # a few KiB: fits the socket buffer at once
-                conn.sendall(encode_message(answer))
-                conn.setblocking(False)
-        except (ChannelError, OSError) as exc:
-            self.counters["bad_messages"] += 1
-            logger.warning("tiercache P/D: side channel %s: dropping a connection: %s", self.address, exc)
-            self._drop(conn)
-        except Exception as exc:  # noqa: BLE001 - a peer's garbage must not end the side channel
-            self.counters["bad_messages"] += 1
-            faults.record(faults.READER_EXCEPTION, exc, where=f"pd side channel {self.address}")
-            self._drop(conn)
-
-    def _drop(self, conn: socket.socket) -> None:
-        self._inbox.pop(conn, None)
-        try:
-            self._selector.unregister(conn)
-        except (KeyError, ValueError):
-            pass
-        conn.close()
-
-    def _answer(self, message: dict[str, Any]) -> dict[str, Any] | None:
-        op = message.get("op")
-        if op == "read":
-            rid = message.get("request_id")
-            if not isinstance(rid, str):
-                raise ChannelError("read message without a request id")
-            readers, rank = message.get("readers", 1), message.get("rank", 0)
-            if not (isinstance(readers, int) and isinstance(rank, int) and 1 <= readers <= 4096):
-                raise ChannelError("read message with a bad reader count or rank")
-            with self._read_lock:
-                if readers == 1:
+        with self._read_lock:
+            if readers == 1:
+                self._read.add(rid)
+            else:  # consumer of another TP size: every consumer rank that reads us must have read
+                heard = self._partial.setdefault(rid, set())
+                heard.add(rank)
+                if len(heard) >= readers:
+                    del self._partial[rid]
                     self._read.add(rid)
-                else:  # consumer of another TP size: every consumer rank that reads us must have read
-                    heard = self._partial.setdefault(rid, set())
-                    heard.add(rank)
-                    if len(heard) >= readers:
-                        del self._partial[rid]
-                        self._read.add(rid)
-                    while len(self._partial) > MAX_PARTIAL_READS:  # a rank that never read: its hold expires
-                        del self._partial[next(iter(self._partial))]
-            return None  # one-way: the consumer does not wait
-        if op != "hello":
-            return {"ok": False, "error": f"unknown op {op!r}"}
-        theirs = message.get("fingerprint")
+                while len(self._partial) > MAX_PARTIAL_READS:  # a rank that never read: its hold expires
+                    del self._partial[next(iter(self._partial))]
+
+    def _answer_hello(self, theirs: Any) -> dict[str, Any]:
+        """Side-channel thread, an authenticated consumer's fingerprint: the addresses to READ, or a refusal.
+
+        A refusal names the differing fields, not their values (this log line has both).
+        """
         diff = tp_mismatches(self.fingerprint, theirs if isinstance(theirs, dict) else {}, we_produce=True)
         if diff:
             self.counters["refused"] += 1
-            return {"ok": False, "error": "incompatible peer: " + "; ".join(diff)}
+            logger.warning("tiercache P/D: %s: refusing an incompatible consumer: %s", self.address, "; ".join(diff))
+            fields = sorted({line.split(":", 1)[0] for line in diff})
+            return {"ok": False, "error": "incompatible peer: differing fields: " + ", ".join(fields)}
         self.counters["hellos"] += 1
         with self._agent_lock:
             metadata = self.agent.get_agent_metadata()
@@ -288,6 +243,8 @@ class ProducerEndpoint:
                   "fingerprint": self.fingerprint, "slab_addr": self.slab_addr,
                   "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
                   "tags_addr": int(self.tags.ctypes.data)}
+        if self.hash_positions:
+            answer.update(hashes_addr=int(self.hashes.ctypes.data), hash_positions=self.hash_positions)
         if self.slot_planes is not None:
             answer["slot_planes"] = self.slot_planes.to_wire()
         if self.page_heads is not None:
@@ -302,7 +259,7 @@ class ProducerEndpoint:
         try:
             with self._agent_lock:
                 self.agent.get_new_notifs()  # the Python API's way to progress the UCX worker
-        except Exception:  # noqa: BLE001 - a NIXL hiccup must not end the producer
+        except Exception:
             logger.warning("tiercache P/D: progressing UCX failed", exc_info=True)
 
     def close(self) -> None:
@@ -310,18 +267,11 @@ class ProducerEndpoint:
         self._holding.set()
         if self._progress is not None:
             self._progress.join(timeout=2)
-        self._wake_w.send(b"x")
-        self._serving.join(timeout=5)
-        for conn in list(self._inbox):
-            self._drop(conn)
-        self._selector.close()
-        self._listener.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        self.channel.close()
         for reg in (self._reg, self._block_reg, self._block_tags_reg):
             if reg is None:
                 continue
             try:
                 self.agent.deregister_memory(reg)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.debug("tiercache P/D: deregistering memory failed", exc_info=True)

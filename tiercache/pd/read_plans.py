@@ -15,6 +15,12 @@ only those whose tags were not ready) and the producer tags guarding each chunk.
   KV heads' sub-runs of one producer rank's head-major pages
   (:mod:`tiercache.pd.heads`), one descriptor per region, page and run of heads.
 
+A via_host plan also names, for each chunk to verify (``verify``), the
+producer's page hashes of the positions read and our blocks they landed in
+(:mod:`tiercache.pd.page_hashes`); a chunk to verify that cannot be (the
+producer publishes no hashes, our blocks are in GPU memory, mode direct,
+another TP size) is a ``ChannelError``: its keys fail, never unchecked.
+
 Anything the producer names that we cannot read is a ``ChannelError`` (the
 keys fail and are recomputed); a producer whose KV pages differ from ours is an
 :class:`IncompatibleBlocks` (the caller refuses the peer). Pure: no NIXL calls.
@@ -23,7 +29,7 @@ keys fail and are recomputed); a producer whose KV pages differ from ours is an
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -53,6 +59,9 @@ class HeldChunk(Protocol):
     @property
     def blocks(self) -> tuple[int, ...]: ...  # mode direct: its KV blocks
 
+    @property
+    def verify(self) -> bool: ...  # its blocks must match the producer's page hashes
+
 
 class IncompatibleBlocks(ChannelError):
     """The producer's KV blocks are not ours to read into (other pages): refuse the peer."""
@@ -68,6 +77,16 @@ class ReadPlan:
     tag_count: int  # tags in the producer's array (slots or blocks)
     tag_index: list[list[int]]  # per chunk: the producer tags guarding it (slot or blocks)
     path: str  # transfer-metric path
+    hashes_addr: int = 0  # the producer's page hashes (0: nothing to verify)
+    hash_count: int = 0  # hashes in the producer's array
+    hash_index: list[list[int]] = field(default_factory=list)  # per chunk: its positions' hashes ([]: unchecked)
+    hash_blocks: list[list[int]] = field(default_factory=list)  # per chunk: our blocks, in the same order
+
+
+def _unverifiable(link: PeerLink, chunks: Sequence[HeldChunk], what: str) -> None:
+    """ChannelError if a chunk must be verified: ``what`` publishes no page hashes."""
+    if any(c.verify for c in chunks):
+        raise ChannelError(f"producer {link.address}: {what} has no page hashes; a chunk to verify fails")
 
 
 def _slots(link: PeerLink, chunks: Sequence[HeldChunk]) -> list[int]:
@@ -113,7 +132,20 @@ def slot_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment
         except ValueError as exc:
             raise ChannelError(f"producer {link.address}: {exc}") from exc
 
-    return ReadPlan(descs, "DRAM", link.tags_addr, link.num_slots, [[s] for s in slots], PEER_HOST_TO_DEVICE)
+    hash_index: list[list[int]] = []
+    hash_blocks: list[list[int]] = []
+    if any(c.verify for c in chunks):
+        n = link.hash_positions
+        if not link.hashes_addr or n * sum(ours.pages) != chunk_bytes:
+            raise ChannelError(f"producer {link.address} publishes no page hashes: its chunks cannot be verified")
+        if ours.mem_type != "DRAM":
+            raise ChannelError("our KV blocks are in GPU memory: a hand-off cannot be verified in place")
+        for c, seg, slot in zip(chunks, segments, slots):
+            positions = range(seg.first_block, seg.first_block + len(seg.block_ids))
+            hash_index.append([slot * n + p for p in positions] if c.verify else [])
+            hash_blocks.append(list(seg.block_ids) if c.verify else [])
+    return ReadPlan(descs, "DRAM", link.tags_addr, link.num_slots, [[s] for s in slots], PEER_HOST_TO_DEVICE,
+                    link.hashes_addr, link.num_slots * link.hash_positions, hash_index, hash_blocks)
 
 
 def block_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegment],
@@ -122,6 +154,7 @@ def block_plan(ours: BlockRegions, link: PeerLink, segments: Sequence[CopySegmen
     theirs = link.blocks
     if theirs is None:
         raise ChannelError(f"producer {link.address} exposes no KV blocks (its pd.mode is not direct)")
+    _unverifiable(link, chunks, "mode direct")
     why = ours.mismatch(theirs)
     if why:
         raise IncompatibleBlocks(why)
@@ -144,6 +177,7 @@ def head_plan(ours: BlockRegions, our_heads: PageHeads, link: PeerLink, runs: Se
     head-major with our bytes per head (:func:`tiercache.pd.heads.check_pages`; else
     :class:`IncompatibleBlocks`: the peer is refused).
     """
+    _unverifiable(link, chunks, "a head-split read (another TP size)")
     theirs_heads = link.page_heads
     if theirs_heads is None:
         raise IncompatibleBlocks(f"producer {link.address} does not describe its KV heads (another TP size)")

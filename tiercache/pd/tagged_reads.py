@@ -10,6 +10,13 @@ are read again a moment later, until the deadline. Another chunk's tag: the
 slot or blocks were reused, the chunk is dropped (recomputed, never wrong;
 counted as ``stale_chunks``).
 
+Then the page hashes (mode via_host, chunks the plan verifies): the
+producer's xxh3-64 of each position read (published before its tag named the
+chunk) against the hash of what our block holds now
+(:mod:`tiercache.pd.page_hashes`); a chunk with any block that differs is
+dropped (recomputed; counted as ``corrupt_chunks``), so nothing unchecked is
+used or stored.
+
 A read that must not wait (an inline read on the worker thread) raises
 :class:`MustWait` instead of waiting for a tag: the caller hands the job to its
 I/O thread.
@@ -34,9 +41,11 @@ from typing import Any
 import numpy as np
 
 from tiercache.layout import block_runs
+from tiercache.pd.blocks import BlockRegions
 from tiercache.pd.channel import TAG_BYTES, ChannelError
 from tiercache.pd.link import PeerLink
 from tiercache.pd.nixl_reads import TagMirror, read_to_completion, thread_schedstat
+from tiercache.pd.page_hashes import block_hash
 from tiercache.pd.read_plans import ReadPlan
 
 logger = logging.getLogger(__name__)
@@ -51,8 +60,9 @@ class MustWait(Exception):
 class TaggedReader:
     """The consumer agent's tag buffer (``max_tags`` tags) and tag mirrors; runs read plans.
 
-    ``counters`` is the reader's: ``stale_chunks`` and ``data_descs`` (NIXL
-    descriptors of data READs, tags not counted) are counted in it.
+    ``counters`` is the reader's: ``stale_chunks``, ``corrupt_chunks`` and
+    ``data_descs`` (NIXL descriptors of data READs, tags not counted) are
+    counted in it.
     """
 
     def __init__(self, agent: Any, max_tags: int, counters: dict[str, int]) -> None:
@@ -62,14 +72,16 @@ class TaggedReader:
         self.reg = agent.register_memory([(int(self._tags.ctypes.data), self._tags.nbytes, 0, "")], "DRAM")
         self.mirrors: dict[tuple[str, int], TagMirror] = {}  # (producer agent, tags addr) -> its tags
 
-    def read(self, link: PeerLink, plan: ReadPlan, expected: list[int], local_mem: str, deadline: float,
+    def read(self, link: PeerLink, plan: ReadPlan, expected: list[int], ours: BlockRegions, deadline: float,
              wait: bool, poll_burst_s: float) -> tuple[list[int], int, float]:
-        """READ the data, then its tags; again for chunks whose tags were 0.
+        """READ the data, then its tags; again for chunks whose tags were 0; then the page hashes.
 
-        ``expected``: per chunk, the tag naming it; ``local_mem``: our blocks'
-        memory type; ``poll_burst_s``: as :func:`tiercache.pd.nixl_reads.read_to_completion`.
-        Returns the chunks that arrived, and the bytes and seconds of the data READs alone.
+        ``expected``: per chunk, the tag naming it; ``ours``: our blocks (where the data
+        lands); ``poll_burst_s``: as :func:`tiercache.pd.nixl_reads.read_to_completion`.
+        Returns the chunks that arrived (and verified), and the bytes and seconds of the
+        data READs alone.
         """
+        local_mem = ours.mem_type
         if sum(len(t) for t in plan.tag_index) > len(self._tags):
             raise ChannelError(f"a hand-off of {sum(len(t) for t in plan.tag_index)} blocks exceeds the "
                                f"{len(self._tags)} tags")
@@ -114,7 +126,26 @@ class TaggedReader:
                                    len(pending), link.address)
                     break
                 time.sleep(_TAG_POLL_S)
-        return sorted(arrived), data_bytes, data_secs
+        return self._verified(link, plan, sorted(arrived), ours, deadline, poll_burst_s), data_bytes, data_secs
+
+    def _verified(self, link: PeerLink, plan: ReadPlan, arrived: list[int], ours: BlockRegions, deadline: float,
+                  poll_burst_s: float) -> list[int]:
+        """The arrived chunks whose blocks match the producer's page hashes (chunks not to verify pass)."""
+        checked = [i for i in arrived if plan.hash_index and plan.hash_index[i]]
+        if not checked:
+            return arrived
+        theirs = iter(self._read_tags(link, plan.hashes_addr, plan.hash_count,
+                                      [h for i in checked for h in plan.hash_index[i]], deadline, poll_burst_s))
+        bad: set[int] = set()
+        for i in checked:
+            got = [next(theirs) for _ in plan.hash_index[i]]
+            if any(h != block_hash(ours, b) for h, b in zip(got, plan.hash_blocks[i])):
+                bad.add(i)
+        if bad:
+            self.counters["corrupt_chunks"] += len(bad)
+            logger.warning("tiercache P/D: %d chunks from %s do not match their page hashes: dropped (recomputed)",
+                           len(bad), link.address)
+        return [i for i in arrived if i not in bad]
 
     def _read_tags(self, link: PeerLink, tags_addr: int, count: int, indices: list[int],
                    deadline: float, poll_burst_s: float) -> list[int]:
