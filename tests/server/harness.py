@@ -60,6 +60,8 @@ class ServerProcess:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.config: dict[str, Any] = {"nixl": "off", **config}
+        if not {"auth", "auth_token", "tenants"} & self.config.keys():
+            self.config["auth"] = "none"  # loopback test servers: open unless the test configures tokens
         self.config.setdefault("port", free_port())
         self.config_path = directory / "server.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config))

@@ -9,6 +9,16 @@ auth token): hypothesis-generated garbage on one connection - unauthenticated,
 malformed, truncated, oversized - is refused with an ERROR frame or a closed
 socket, while a well-behaved client on another connection keeps storing and
 reading back exact bytes between every example.
+
+Complete adversarial requests come last: well-formed, authenticated requests
+built to hurt - GET_REMOTE and PUT_REMOTE naming memory the client never
+registered (on a NIXL server, from a client whose agent the server loaded),
+AGENT_META and HELLO carrying garbage NIXL metadata, counts and sizes at and
+past every bound (a msgpack array claiming 2**32 entries, capacities of a
+TiB, thousands of one-byte values), and requests trickled a few bytes at a
+time (served) or stalled past the frame deadline (refused ``timeout``). Every
+reply must be a well-formed reply or a typed ERROR, never ``internal``, and
+the server's log must show no internal error.
 """
 
 from __future__ import annotations
@@ -188,10 +198,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = ServerProcess(
         tmp_path_factory.mktemp("fuzz-server"), auth_token=TOKEN, max_value_bytes=4096,
         max_body_bytes=65536, max_message_bytes=1 << 20, max_keys_per_message=64,
-        hello_timeout_s=2.0, tiers=[{"name": "cpu", "backend": "cpu", "capacity": "4MiB"}],
+        hello_timeout_s=2.0, frame_timeout_s=3.0, tiers=[{"name": "cpu", "backend": "cpu", "capacity": "4MiB"}],
     ).start()
     yield proc
     proc.kill()
+    assert_no_internal_error(proc)
+
+
+def assert_no_internal_error(proc: ServerProcess) -> None:
+    """The server never failed inside (an ``internal`` refusal, an unexpected exception)."""
+    log = proc.log()
+    for bad in ("internal", "request failed"):
+        assert bad not in log, f"{bad!r} in the server log:\n{log[-4000:]}"
 
 
 def _hello(token: str = TOKEN) -> bytes:
@@ -248,7 +266,7 @@ def test_live_server_refuses_garbage_and_keeps_serving(server: ServerProcess, ga
             assert frame_.header.type in (p.MsgType.ERROR, p.reply_type(p.MsgType.HELLO)) or authed
         if not authed:
             assert all(f.header.type == p.MsgType.ERROR for f in frames)
-        assert good.put([key], [value]) == [p.Status.OK]
+        assert good.put([key], [value], overwrite=True) == [p.Status.OK]  # the key may repeat
         view = memoryview(bytearray(4096))
         statuses, sizes = good.get([key], [view])
         assert statuses == [p.Status.OK] and bytes(view[: sizes[0]]) == value
@@ -278,3 +296,218 @@ def test_live_server_names_the_refusals(server: ServerProcess) -> None:
         sock.settimeout(10)
         frames = _frames_from_server(sock.recv(65536))
         assert frames[0].body == p.ErrorReply(code="timeout", message="timed out")
+
+
+# ------------------------------------------------------------------------------ complete adversarial requests
+KNOWN = [b"known-%02d" % i for i in range(8)]  # stored by the good client: transfers are attempted
+key_st = st.one_of(st.sampled_from(KNOWN), st.binary(min_size=1, max_size=100))
+addr_st = st.one_of(st.integers(0, (1 << 63) - 1), st.sampled_from([0, 1, 4096, (1 << 47) - 4096]))
+size_st = st.one_of(st.integers(0, 1 << 40), st.sampled_from([0, 1, 64, 4096, 4097]))
+keys_list_st = st.one_of(st.lists(st.sampled_from(KNOWN), min_size=1, max_size=8),  # held: served or moved
+                         st.lists(key_st, max_size=70))  # anything, past max_keys (64) too
+
+
+def _request(kind: p.MsgType, body: p._Body, payload: bytes = b"", request_id: int = 2) -> bytes:
+    return p.frame(kind, request_id, body, len(payload)) + payload
+
+
+KINDS = ("get_remote", "put_remote", "agent_meta", "get", "put_many", "count", "hello")
+
+
+@st.composite
+def adversarial_requests(draw: st.DrawFn, kinds: tuple[str, ...] = KINDS) -> bytes:
+    """One complete, well-framed request meant to hurt (sent after a good HELLO)."""
+    keys = draw(keys_list_st)
+    n = len(keys)
+    kind = draw(st.sampled_from(kinds))
+    if kind == "get_remote":
+        return _request(p.MsgType.GET_REMOTE, p.GetRemote(keys, draw(st.lists(size_st, min_size=n, max_size=n)),
+                                                          draw(st.lists(addr_st, min_size=n, max_size=n))))
+    if kind == "put_remote":
+        return _request(p.MsgType.PUT_REMOTE, p.PutRemote(keys, draw(st.lists(size_st, min_size=n, max_size=n)),
+                                                          draw(st.lists(addr_st, min_size=n, max_size=n)),
+                                                          draw(st.booleans())))
+    if kind == "agent_meta":
+        return _request(p.MsgType.AGENT_META, p.AgentMeta(draw(st.binary(max_size=2048))))
+    if kind == "get":  # capacities up to a TiB: the payload bound decides before anything is pinned
+        return _request(p.MsgType.GET, p.Get(keys, draw(st.lists(size_st, min_size=n, max_size=n))))
+    if kind == "put_many":  # many one-byte values: one slot each
+        return _request(p.MsgType.PUT, p.Put(keys, [1] * n, draw(st.booleans())), b"v" * n)
+    if kind == "count":  # a body whose array claims far more entries than it carries
+        body = b"\x91\xdd" + draw(st.integers(65, 2**32 - 1)).to_bytes(4, "big") + draw(st.binary(max_size=64))
+        msg = draw(st.sampled_from([p.MsgType.EXISTS, p.MsgType.GET, p.MsgType.DELETE, p.MsgType.GET_REMOTE]))
+        return p.pack_header(msg, 2, len(body)) + body
+    return _request(p.MsgType.HELLO, p.Hello(token=TOKEN, nixl_metadata=draw(st.binary(max_size=512))))
+
+
+def _hello_with_metadata(metadata: bytes, agent: str = "fuzz-agent") -> bytes:
+    return p.frame(p.MsgType.HELLO, 1, p.Hello(token=TOKEN, client="fuzz", nixl_agent=agent, nixl_metadata=metadata))
+
+
+def _assert_typed_replies(data: bytes) -> list[p.Frame]:
+    """Every frame the server sent is a reply or a typed ERROR - never ``internal``."""
+    frames = _frames_from_server(data)
+    for frame_ in frames:
+        if frame_.header.type == p.MsgType.ERROR:
+            assert isinstance(frame_.body, p.ErrorReply) and frame_.body.code != "internal", frame_.body
+    return frames
+
+
+def _good_round_trip(good: ServerClient, tag: bytes) -> None:
+    key = b"good-" + tag
+    value = (tag * 4096)[:4096]
+    assert good.put([key], [value], overwrite=True) == [p.Status.OK]
+    view = memoryview(bytearray(4096))
+    assert good.get([key], [view])[0] == [p.Status.OK] and bytes(view) == value
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(request=adversarial_requests(), metadata=st.binary(max_size=256))
+def test_live_server_answers_adversarial_requests_with_typed_replies(server: ServerProcess, request: bytes,
+                                                                     metadata: bytes) -> None:
+    """No NIXL on this server: the NIXL messages are refused by type, garbage metadata is ignored."""
+    with ServerClient(server.address, token=TOKEN, client_name="good") as good:
+        good.put(KNOWN, [b"k" * 64] * len(KNOWN), overwrite=True)
+        hello = _hello_with_metadata(metadata) if metadata else _hello()
+        frames = _assert_typed_replies(_send_and_collect(("127.0.0.1", server.port), hello + request))
+        assert frames and frames[0].header.type == p.reply_type(p.MsgType.HELLO)
+        _good_round_trip(good, request[:16].hex().encode())
+
+
+def test_live_server_serves_trickled_requests_and_times_out_stalled_ones(server: ServerProcess) -> None:
+    """Slow delivery: a session sent a few bytes at a time is served; a frame stalled past the deadline is not."""
+    import random
+    import time
+
+    rng = random.Random(18)
+    key, value = b"trickled-key", bytes(rng.randrange(256) for _ in range(4096))
+    session = (_hello() + _request(p.MsgType.PUT, p.Put([key], [len(value)], True), value)
+               + _request(p.MsgType.GET, p.Get([key], [4096]), request_id=3))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        at = 0
+        while at < len(session):
+            step = rng.randrange(1, 48)
+            sock.sendall(session[at : at + step])
+            at += step
+            time.sleep(0.001)
+        sock.shutdown(socket.SHUT_WR)
+        frames = _assert_typed_replies(_recv_until_closed(sock))
+    assert [f.header.type for f in frames] == [p.reply_type(t) for t in (p.MsgType.HELLO, p.MsgType.PUT, p.MsgType.GET)]
+    assert frames[1].body == p.PutReply([int(p.Status.OK)]) and frames[2].payload == value
+    for stalled in (p.pack_header(p.MsgType.PUT, 2, 64, 4096)[:10],  # half a header
+                    _request(p.MsgType.PUT, p.Put([key], [len(value)], True), value)[:-100]):  # most of a PUT
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(_hello() + stalled)  # ... and nothing more, the socket left open
+            started = time.monotonic()
+            frames = _assert_typed_replies(_recv_until_closed(sock))
+            waited = time.monotonic() - started
+        assert frames[-1].body == p.ErrorReply(code="timeout", message=frames[-1].body.message)  # type: ignore[union-attr]
+        assert 2.0 < waited < 9.0  # frame_timeout_s 3
+
+
+def _recv_until_closed(sock: socket.socket) -> bytes:
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def nixl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, object]]:
+    from tiercache.server.nixl_path import nixl_available
+
+    if not nixl_available():
+        pytest.skip("nixl is not installed")
+    from tiercache.server.nixl_client import NixlClientSide
+
+    proc = ServerProcess(
+        tmp_path_factory.mktemp("fuzz-nixl-server"), auth_token=TOKEN, nixl="on", max_value_bytes=4096,
+        max_body_bytes=65536, max_message_bytes=1 << 20, max_keys_per_message=64, hello_timeout_s=5.0,
+        nixl_timeout_s=2.0, tiers=[{"name": "cpu", "backend": "cpu", "capacity": "4MiB"}],
+    ).start()
+    side = NixlClientSide(1 << 20, 1)
+    try:
+        yield proc, side
+    finally:
+        side.close()
+        proc.kill()
+    assert_no_internal_error(proc)
+
+
+def _transfers_tried(server: ServerProcess) -> int:
+    log = server.log()
+    return log.count("nixl: WRITE with") + log.count("nixl: READ with")
+
+
+@pytest.mark.parametrize("garbage_hello", [False, True], ids=["real-agent", "garbage-hello"])
+@pytest.mark.parametrize("kind", ["get_remote", "put_remote", "agent_meta", "any"])
+def test_nixl_server_answers_adversarial_requests_with_typed_replies(
+    nixl_server: tuple[ServerProcess, object], kind: str, garbage_hello: bool,
+) -> None:
+    """A NIXL server, a client whose real agent it loaded (or garbage metadata in HELLO): bogus addresses
+    fail the keys, garbage metadata is refused, never an internal error."""
+    kinds = KINDS if kind == "any" else (kind,)
+    tried = _transfers_tried(nixl_server[0])
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(request=adversarial_requests(kinds), metadata=st.binary(min_size=1, max_size=512))
+    def check(request: bytes, metadata: bytes) -> None:
+        _check_on_nixl_server(nixl_server, request, garbage_hello, metadata)
+
+    check()
+    if kind in ("get_remote", "put_remote") and not garbage_hello:  # the fuzz reached NIXL itself
+        assert _transfers_tried(nixl_server[0]) - tried >= 3
+
+
+def _mutated(data: bytes, flips: list[tuple[int, int]], cut: int) -> bytes:
+    out = bytearray(data)
+    for at, mask in flips:
+        out[at % len(out)] ^= mask
+    return bytes(out[: max(1, len(out) - cut % 64)]) if cut % 3 == 0 else bytes(out)
+
+
+def test_nixl_server_refuses_mutated_agent_metadata(nixl_server: tuple[ServerProcess, object]) -> None:
+    """Real agent metadata with bytes flipped or cut, in HELLO and in AGENT_META: refused, never a crash."""
+    server, side = nixl_server
+    _, real = side.metadata()  # type: ignore[attr-defined]
+    agent = side.agent_name  # type: ignore[attr-defined]
+    mutation = st.tuples(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 255)), min_size=1, max_size=4),
+                         st.integers(0, 1 << 20))
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(in_hello=mutation, in_meta=mutation)
+    def check(in_hello: tuple[list[tuple[int, int]], int], in_meta: tuple[list[tuple[int, int]], int]) -> None:
+        hello = _hello_with_metadata(_mutated(real, *in_hello), agent)
+        meta = _request(p.MsgType.AGENT_META, p.AgentMeta(_mutated(real, *in_meta)))
+        for data in (hello + meta, _hello_with_metadata(real, agent) + meta):
+            frames = _assert_typed_replies(_send_and_collect(("127.0.0.1", server.port), data))
+            assert frames and frames[0].header.type == p.reply_type(p.MsgType.HELLO)
+        with ServerClient(server.address, token=TOKEN, client_name="good") as good:
+            _good_round_trip(good, b"mutated-meta")
+
+    check()
+    assert server.proc is not None and server.proc.poll() is None  # alive
+
+
+def _check_on_nixl_server(nixl_server: tuple[ServerProcess, object], request: bytes, garbage_hello: bool,
+                          metadata: bytes) -> None:
+    server, side = nixl_server
+    _, real = side.metadata()  # type: ignore[attr-defined]
+    hello = _hello_with_metadata(metadata) if garbage_hello else _hello_with_metadata(
+        real, side.agent_name)  # type: ignore[attr-defined]
+    with ServerClient(server.address, token=TOKEN, client_name="good") as good:
+        good.put(KNOWN, [b"k" * 64] * len(KNOWN), overwrite=True)
+        frames = _assert_typed_replies(_send_and_collect(("127.0.0.1", server.port), hello + request))
+        assert frames and frames[0].header.type == p.reply_type(p.MsgType.HELLO)
+        assert frames[0].body.nixl is not garbage_hello  # type: ignore[union-attr]
+        for frame_ in frames[1:]:
+            if frame_.header.type in (p.reply_type(p.MsgType.GET_REMOTE), p.reply_type(p.MsgType.PUT_REMOTE)):
+                # nothing the client did not register was read or written (a random address
+                # lands in its 1 MiB of registered memory with odds of 2**-43): no key is OK
+                assert p.Status.OK not in frame_.body.status  # type: ignore[union-attr]
+        _good_round_trip(good, request[:16].hex().encode())
+

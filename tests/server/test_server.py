@@ -29,6 +29,7 @@ from tiercache.server import auth
 from tiercache.server import protocol as p
 from tiercache.server.client import ServerClient
 from tiercache.server.config import ServerConfig, load_server_config
+from tiercache.server.slab import HEADER_ALLOWANCE, slot_bytes_for
 from tiercache.testing.conformance import make_key, make_payload, wait_for_jobs
 
 KiB = 1024
@@ -59,7 +60,7 @@ def read_back(client: ServerClient, keys: list[bytes], size: int = CHUNK) -> tup
 
 # ------------------------------------------------------------------------------ auth and binding
 def test_binds_loopback_by_default(server: ServerProcess) -> None:
-    assert ServerConfig().host == "127.0.0.1"
+    assert ServerConfig(auth="none").host == "127.0.0.1"  # auth: token (default) needs a token
     assert "host" not in server.config
     listening = set()
     for line in pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]:
@@ -85,6 +86,8 @@ def test_auth_token_required_and_compared_in_constant_time(tmp_path: pathlib.Pat
             assert client.stats().refused_messages == 5
     finally:
         proc.kill()
+    # Tokens name tenants now (tiercache/server/auth.py): every configured token's digest is
+    # compared, in constant time, whichever matched; auth: none is the open table.
     calls: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
 
@@ -93,11 +96,15 @@ def test_auth_token_required_and_compared_in_constant_time(tmp_path: pathlib.Pat
         return real(a, b)
 
     monkeypatch.setattr(auth.hmac, "compare_digest", spy)
-    auth.check_token("abc", p.Hello(token="abc"))
+    from tiercache.server.tenants import Tenant
+    table = auth.TokenTable([("abc", Tenant("a", b"A" * 8)), ("xyz", Tenant("b", b"B" * 8))])
+    assert table.authenticate("abc").name == "a"
     with pytest.raises(p.Unauthorized):
-        auth.check_token("abc", p.Hello(token="abd"))
-    auth.check_token(None, p.Hello(token="anything"))  # no token configured: open
-    assert calls == [(b"abc", b"abc"), (b"abc", b"abd")]
+        table.authenticate("abd")
+    assert auth.TokenTable((), open_access=True).authenticate("anything").space == b""  # open
+    digest = auth.token_digest
+    assert calls == [(digest("abc"), digest("abc")), (digest("xyz"), digest("abc")),
+                     (digest("abc"), digest("abd")), (digest("xyz"), digest("abd"))]
 
 
 # ------------------------------------------------------------------------------ round trips
@@ -113,8 +120,8 @@ def test_put_get_exists_delete_stats_health(server: ServerProcess) -> None:
         statuses, got = read_back(c, [missing, *keys, keys[0]])
         assert statuses == [p.Status.MISS] + [p.Status.OK] * 7
         assert got[1:] == [*chunks.values(), chunks[keys[0]]]
-        # sizes up to max_value_bytes; an empty or oversized value is refused, alone
-        small, too_big, empty = b"s" * 10, b"x" * (CHUNK + 1), b""
+        # sizes up to max_value_bytes (+ a frame header); an empty or oversized value is refused, alone
+        small, too_big, empty = b"s" * 10, b"x" * (CHUNK + HEADER_ALLOWANCE + 1), b""
         odd = [make_key(100), make_key(101), make_key(102)]
         assert c.put(odd, [small, too_big, empty]) == [p.Status.OK, p.Status.BAD_SIZE, p.Status.BAD_SIZE]
         statuses, got = read_back(c, odd)
@@ -122,10 +129,10 @@ def test_put_get_exists_delete_stats_health(server: ServerProcess) -> None:
         # a view too small for the value: refused, nothing written
         statuses, sizes = c.get([keys[0]], [memoryview(bytearray(100))])
         assert statuses == [p.Status.BAD_SIZE] and sizes == [0]
-        # overwrite (default) replaces; overwrite=False keeps what is held
+        # overwrite=True replaces; without it (the default now) what is held is kept
         newer = values(2, version=1)
-        assert c.put(list(newer), list(newer.values())) == [p.Status.OK] * 2
-        assert c.put(list(newer), list(values(2, version=2).values()), overwrite=False) == [p.Status.PRESENT] * 2
+        assert c.put(list(newer), list(newer.values()), overwrite=True) == [p.Status.OK] * 2
+        assert c.put(list(newer), list(values(2, version=2).values())) == [p.Status.PRESENT] * 2
         assert read_back(c, list(newer))[1] == list(newer.values())
         # the same key twice in one put: the first is taken, the second is busy
         dup = make_key(200)
@@ -142,7 +149,7 @@ def test_put_get_exists_delete_stats_health(server: ServerProcess) -> None:
 
 
 def test_full_server_evicts_coldest_or_refuses(tmp_path: pathlib.Path) -> None:
-    tiers = cpu_tier(f"{4 * (CHUNK + 64)}")
+    tiers = cpu_tier(f"{4 * slot_bytes_for(CHUNK)}")
     evicting = ServerProcess(tmp_path / "evict", max_value_bytes=CHUNK, tiers=tiers).start()
     refusing = ServerProcess(tmp_path / "refuse", max_value_bytes=CHUNK, tiers=tiers, when_full="refuse").start()
     try:
@@ -353,7 +360,7 @@ def test_bad_config_is_refused_naming_the_key(tmp_path: pathlib.Path) -> None:
         load_server_config(None, max_value_bytes="1GiB", max_message_bytes="64MiB")
     with pytest.raises(ConfigError, match="tiers.0.backend"):
         load_server_config(None, tiers=[{"name": "d", "backend": "disk", "capacity": 1}])
-    assert load_server_config(None, nixl=False).nixl == "off"  # YAML's bare off
+    assert load_server_config(None, nixl=False, auth="none").nixl == "off"  # YAML's bare off
 
 
 # ------------------------------------------------------------------------------ the client tier
@@ -397,9 +404,10 @@ def test_client_tier_survives_a_dead_server(tmp_path: pathlib.Path) -> None:
 
 
 def test_shipped_configs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiercache.tiers import registry as plugins
     from tiercache.config.schema import TierConfig, load_config
+    from tiercache.tiers import registry as plugins
 
+    monkeypatch.setenv("TIERCACHE_SERVER_AUTH_TOKEN", "shipped-config-test-token")  # auth: token needs one
     server = load_server_config(ROOT / "configs" / "server.yaml")
     assert server.host == "127.0.0.1" and [t.backend for t in server.tiers] == ["cpu", "disk"]
     engine = load_config(ROOT / "configs" / "cpu-server.yaml")

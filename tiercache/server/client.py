@@ -2,10 +2,15 @@
 
 Used by the client tier (:mod:`tiercache.backends.server.backend`, one connection per
 I/O thread), by ``tiercache inspect`` and ``tiercache bench server``, and by
-the tests. Each call sends one request and reads its reply. PUT values are
+the tests. Each call sends one request and reads its reply. With a TLS
+context (:func:`tiercache.server.tls.client_context`) the connection is TLS,
+the server's certificate and name verified before HELLO is sent. PUT values are
 sent straight from the caller's buffers (``sendmsg``, no concatenation) and
 GET values are received straight into the caller's views; a view a failed
-request may have written into is zeroed before the error propagates.
+request may have written into is zeroed before the error propagates. A value
+may be given as a tuple of pieces (the client tier's frame header, then the
+chunk's view): a PUT sends them as one value, a GET scatters the value over
+them in order.
 
 Errors: ``OSError`` (the network, timeouts), :class:`~tiercache.server.protocol.ProtocolError`
 (a reply this side cannot trust) and :class:`~tiercache.server.protocol.RemoteError`
@@ -18,11 +23,13 @@ from __future__ import annotations
 import itertools
 import select
 import socket
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from tiercache.server import protocol as p
+from tiercache.server.tls_stream import TlsSyncStream
 from tiercache.server.wire import SyncStream
 
 if TYPE_CHECKING:
@@ -30,6 +37,8 @@ if TYPE_CHECKING:
 
 R = TypeVar("R", bound=p._Body)
 _Buffer = bytes | bytearray | memoryview
+#: One value: a buffer, or a tuple of pieces that make one value together.
+_Value = _Buffer | tuple[_Buffer, ...]
 
 _PROGRESS_EVERY_S = 0.001
 #: What a client accepts in replies (the server's own limits are in Welcome).
@@ -58,8 +67,12 @@ class ServerClient:
         nixl_metadata: bytes = b"",
         nixl_agent: str = "",
         nixl_progress: Callable[[], None] | None = None,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.address = parse_address(address)
+        self.tls = tls  # None: plaintext TCP
+        self.server_name = server_name or self.address[0]  # what the server's certificate must name
         self.token = token or ""
         self.client_name = client_name
         self.timeout_s = timeout_s
@@ -77,12 +90,39 @@ class ServerClient:
     def connected(self) -> bool:
         return self._stream is not None
 
+    def closed_by_server(self) -> bool:
+        """Between requests: the server has ended this connection (idle timeout, drain, a refusal).
+
+        A connection at rest has nothing to read; anything readable (EOF or an
+        unasked ERROR frame) means the server is done with it. Checked without
+        blocking before a request is sent, so an idle-closed connection is
+        replaced instead of failing that request.
+        """
+        stream = self._stream
+        if stream is None:
+            return True
+        if stream.has_pending():
+            return True
+        try:
+            return bool(select.select([stream.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
     def connect(self) -> p.Welcome:
         self.close()
         sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(self.timeout_s)
-        self._stream = SyncStream(sock)
+        if self.tls is not None:
+            try:  # the handshake runs under the connect timeout
+                tls_sock = self.tls.wrap_socket(sock, server_hostname=self.server_name)
+            except BaseException:
+                sock.close()
+                raise
+            tls_sock.settimeout(self.timeout_s)
+            self._stream = TlsSyncStream(tls_sock)
+        else:
+            sock.settimeout(self.timeout_s)
+            self._stream = SyncStream(sock)
         hello = p.Hello(
             token=self.token, client=self.client_name[: p.MAX_TEXT],
             nixl_agent=self.nixl_agent, nixl_metadata=self.nixl_metadata,
@@ -107,23 +147,24 @@ class ServerClient:
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self._call(p.MsgType.EXISTS, p.Exists(list(keys)), p.ExistsReply).present
 
-    def put(self, keys: Sequence[bytes], values: Sequence[_Buffer], overwrite: bool = True) -> list[p.Status]:
-        """Store ``values[i]`` under ``keys[i]``; a status per key."""
-        views = [v if isinstance(v, memoryview) else memoryview(v) for v in values]
-        views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-        body = p.Put(list(keys), [len(v) for v in views], overwrite)
-        reply = self._call(p.MsgType.PUT, body, p.PutReply, payload=views)
+    def put(self, keys: Sequence[bytes], values: Sequence[_Value], overwrite: bool = False) -> list[p.Status]:
+        """Store ``values[i]`` under ``keys[i]``; a status per key (PRESENT: held already and
+        kept, unless ``overwrite``)."""
+        pieces = [_pieces(v) for v in values]
+        body = p.Put(list(keys), [sum(map(len, v)) for v in pieces], overwrite)
+        reply = self._call(p.MsgType.PUT, body, p.PutReply, payload=[x for v in pieces for x in v])
         return _statuses(reply.status, len(keys))
 
     def put_remote(
-        self, keys: Sequence[bytes], sizes: Sequence[int], addrs: Sequence[int], overwrite: bool = True
+        self, keys: Sequence[bytes], sizes: Sequence[int], addrs: Sequence[int], overwrite: bool = False
     ) -> list[p.Status]:
         body = p.PutRemote(list(keys), list(sizes), list(addrs), overwrite)
         return _statuses(self._call(p.MsgType.PUT_REMOTE, body, p.PutReply, spin=True).status, len(keys))
 
-    def get(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> tuple[list[p.Status], list[int]]:
+    def get(self, keys: Sequence[bytes], views: Sequence[_Value]) -> tuple[list[p.Status], list[int]]:
         """Read each key into ``views[i]`` (its first ``sizes[i]`` bytes); statuses and sizes."""
-        body = p.Get(list(keys), [len(v) for v in views])
+        pieces = [_pieces(v) for v in views]
+        body = p.Get(list(keys), [sum(map(len, v)) for v in pieces])
         written: list[memoryview] = []
         try:
             stream = self._begin(p.MsgType.GET, body)
@@ -134,13 +175,14 @@ class ServerClient:
             expected = sum(size for status, size in zip(statuses, reply.sizes) if status is p.Status.OK)
             if expected != self._payload_len:
                 raise p.MalformedBody(f"GET reply carries {self._payload_len} bytes, sizes say {expected}")
-            targets = []
-            for view, status, size in zip(views, statuses, reply.sizes):
+            targets: list[memoryview] = []
+            for value, status, size in zip(pieces, statuses, reply.sizes):
                 if status is p.Status.OK:
-                    if size > len(view):
-                        raise p.MalformedBody(f"a value of {size} bytes for a view of {len(view)}")
-                    written.append(view)
-                    targets.append(view[:size])
+                    room = sum(map(len, value))
+                    if size > room:
+                        raise p.MalformedBody(f"a value of {size} bytes for a view of {room}")
+                    written += value
+                    targets += _prefix(value, size)
             stream.read_into_many(targets)  # straight into the caller's views, scattered
             return statuses, list(reply.sizes)
         except BaseException:
@@ -186,7 +228,7 @@ class ServerClient:
         assert self.nixl_progress is not None
         deadline = time.monotonic() + self.timeout_s
         sock = stream.sock
-        while not stream.inbox.pending:
+        while not stream.has_pending():
             self.nixl_progress()
             # Sleep in select (GIL released, no spinning against the server's transfer on a busy
             # host): the reply wakes it at once; the agent needs only occasional progress.
@@ -218,6 +260,23 @@ class ServerClient:
             raise p.UnexpectedPayload("unexpected payload in a reply")
         self._payload_len = header.payload_len
         return p.decode_body(reply_cls, body_bytes)
+
+
+def _pieces(value: _Value) -> list[memoryview]:
+    """A value's pieces as flat byte views."""
+    views = [memoryview(x) for x in (value if isinstance(value, tuple) else (value,))]
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+
+
+def _prefix(pieces: list[memoryview], size: int) -> list[memoryview]:
+    """The views that hold the first ``size`` bytes of ``pieces``, in order."""
+    out = []
+    for piece in pieces:
+        if size <= 0:
+            break
+        out.append(piece[:size])
+        size -= len(piece)
+    return out
 
 
 def _statuses(raw: list[int], n: int) -> list[p.Status]:

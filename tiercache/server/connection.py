@@ -18,6 +18,11 @@ A PUT's values are received straight into the host slots the store reserved
 With NIXL, PUT_REMOTE/GET_REMOTE move the values with one transfer per
 request and only the reply travels on the socket.
 
+Bounds: each request runs under the connection's :class:`~tiercache.server.deadlines.FrameClock`
+(receive and send deadlines: a stalled client is cut off and its slots freed)
+and charges its keys to the store's budgets (:mod:`tiercache.server.budgets`:
+past the connection's or its tenant's share a key is LIMIT).
+
 The connection sees its server only through :class:`ConnectionHost` (what it
 reads of the server, and the two calls it makes back), so this module does not
 import :mod:`tiercache.server.service`; the service's
@@ -38,12 +43,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercache.server import protocol as p
-from tiercache.server.auth import check_token
-from tiercache.server.wire import AsyncStream
+from tiercache.server.budgets import Charge
+from tiercache.server.deadlines import FrameClock, ReplyTimeout
+from tiercache.server.nixl_owners import AgentRefused
+from tiercache.server.tenants import Tenant, limits_for, scope_request
+from tiercache.server.tls_stream import open_stream
 
 if TYPE_CHECKING:
+    import ssl
+
+    from tiercache.server.auth import TokenTable
     from tiercache.server.config import ServerConfig
     from tiercache.server.metrics import ServerMetrics
+    from tiercache.server.nixl_owners import AgentOwners
     from tiercache.server.nixl_path import NixlEndpoint
     from tiercache.server.store import ChunkStore
 
@@ -69,12 +81,21 @@ class ConnectionHost(Protocol):
     def uptime_s(self) -> float: ...
     @property
     def connections(self) -> Collection[Connection]: ...
+    @property
+    def tokens(self) -> TokenTable: ...
+    @property
+    def agents(self) -> AgentOwners: ...
+    @property
+    def tls(self) -> ssl.SSLContext | None: ...
 
     def forget(self, conn: Connection) -> None:
         """The connection has closed: drop it from the server's set."""
 
-    def stats_reply(self) -> p.StatsReply:
-        """The body of a STATS reply (the whole server's view)."""
+    def stats_reply(self, tenant: Tenant | None) -> p.StatsReply:
+        """The body of a STATS reply as ``tenant`` may see it (tiercache/server/tenant_stats.py)."""
+
+    def connection_count(self, tenant: Tenant | None) -> int:
+        """How many connections ``tenant`` may know of (HEALTH)."""
 
 
 @dataclass
@@ -105,10 +126,12 @@ class Connection:
         self.server = server
         self.store = server.store
         self.limits = server.limits
-        self.stream = AsyncStream(sock, asyncio.get_running_loop())
+        self.stream = open_stream(sock, asyncio.get_running_loop(), server.tls)
+        self.tenant: Tenant | None = None  # set once HELLO's token named one; fixed after
         self.stats = ConnectionStats(session, peer)
         self.busy = False  # between reading a request's header and writing its reply
         self.task: asyncio.Task[None] | None = None
+        self.clock = FrameClock(server.config.frame_timeout_s, server.config.min_transfer_rate)
         self._nixl_peer: str | None = None
         self._request_id = 0
         self._handlers: dict[p.MsgType, Callable[[p.Header, Any], Any]] = {
@@ -134,9 +157,11 @@ class Connection:
                 else:
                     await asyncio.wait_for(self.stream.wait_readable(), idle)
                 self.busy = True
-                header, body = await self._read_request(hello=False)
-                started = time.perf_counter()
-                await self._handlers[p.MsgType(header.type)](header, body)
+                async with self.clock.request():  # receive and send deadlines (deadlines.py)
+                    header, body = await self._read_request(hello=False)
+                    self.clock.received(header)
+                    started = time.perf_counter()
+                    await self._handlers[p.MsgType(header.type)](header, body)
                 name = p.MsgType(header.type).name.lower()
                 self.server.metrics.requests.labels(name).inc()
                 self.server.metrics.request_seconds.labels(name).observe(time.perf_counter() - started)
@@ -145,6 +170,9 @@ class Connection:
         except p.Truncated:
             if self.busy:  # the stream ended inside a frame
                 self.server.metrics.refused.labels(p.Truncated.code).inc()
+        except ReplyTimeout as exc:  # a reply half sent: no ERROR frame after it
+            self.server.metrics.refused.labels(exc.code).inc()
+            logger.info("connection %s closed: %s", self.stats.peer, exc)
         except p.ProtocolError as exc:
             await self._refuse(exc)
         except asyncio.TimeoutError:
@@ -169,17 +197,21 @@ class Connection:
             raise p.UnknownMessageType("HELLO was already accepted")
         body = p.decode_body(p.body_type(header), await self.stream.read(header.body_len))
         p.check_request(body, header, self.limits)
+        body = scope_request(self.tenant, body)  # every key into the tenant's space
         return header, body
 
     async def _hello(self) -> None:
         header, hello = await self._read_request(hello=True)
-        check_token(self.server.config.token, hello)
+        self.tenant = self.server.tokens.authenticate(hello.token)
+        self.limits = limits_for(self.limits, self.tenant)  # keys shorter by the tenant's prefix
         self.stats.client = hello.client
         nixl = self.server.nixl
         if hello.nixl_metadata and nixl is not None:
             try:
-                self._nixl_peer = nixl.add_peer(hello.nixl_metadata)
+                self._nixl_peer = self.server.agents.add(nixl, self.tenant.name, hello.nixl_metadata)
                 self.stats.data_path = "nixl"
+            except AgentRefused as exc:
+                logger.warning("client %s: NIXL metadata refused (%s); TCP only", hello.client, exc)
             except Exception:
                 logger.warning("client %s: cannot load its NIXL metadata; TCP only", hello.client, exc_info=True)
         welcome = p.Welcome(
@@ -192,6 +224,7 @@ class Connection:
 
     async def _reply(self, msg_type: p.MsgType, request_id: int, body: p._Body, payload: list[memoryview] | None = None) -> None:
         size = sum(len(v) for v in payload) if payload else 0
+        self.clock.sending(size)
         await self.stream.send([p.frame(p.reply_type(msg_type), request_id, body, size), *(payload or ())])
 
     async def _refuse(self, exc: p.ProtocolError, code: str | None = None) -> None:
@@ -208,7 +241,7 @@ class Connection:
 
     def _close(self) -> None:
         if self._nixl_peer is not None and self.server.nixl is not None:
-            self.server.nixl.drop_peer(self._nixl_peer)
+            self.server.agents.drop(self.server.nixl, self._nixl_peer)
             self._nixl_peer = None
         self.stream.close()
         self.server.forget(self)
@@ -222,8 +255,12 @@ class Connection:
     async def _exists(self, header: p.Header, body: p.Exists) -> None:
         await self._reply(p.MsgType.EXISTS, header.request_id, p.ExistsReply(self.store.exists(body.keys)))
 
+    def _charge(self) -> Charge:
+        """A new request's charge against this connection's and its tenant's budgets (budgets.py)."""
+        return self.store.budgets.charge(self.tenant.name if self.tenant is not None else "")
+
     async def _put(self, header: p.Header, body: p.Put) -> None:
-        ticket = self.store.begin_put(body.keys, body.sizes, body.overwrite)
+        ticket = self.store.begin_put(body.keys, body.sizes, body.overwrite, self._charge())
         slab = self.store.slab
         ok = False
         try:
@@ -248,15 +285,14 @@ class Connection:
         nixl, peer = self.server.nixl, self._nixl_peer
         if nixl is None or peer is None:
             raise p.UnknownMessageType("PUT_REMOTE needs the NIXL data path (none was set up)")
-        ticket = self.store.begin_put(body.keys, body.sizes, body.overwrite)
+        ticket = self.store.begin_put(body.keys, body.sizes, body.overwrite, self._charge())
         local, remote = self._nixl_pairs(ticket.slots, ticket.sizes, body.addrs)
-        ok = False
-        try:
-            ok = await nixl.transfer("READ", local, remote, peer)
-        finally:
-            self.store.end_put(ticket, ok)
-        self._finish_put(ticket.status, sum(n for _, n in local) if ok else 0, "nixl")
-        await self._reply(p.MsgType.PUT_REMOTE, header.request_id, p.PutReply([int(s) for s in ticket.status]))
+        # end_put runs once no transfer can write the slots any more (maybe later: nixl_path.py)
+        ok = await nixl.transfer("READ", local, remote, peer, lambda done: self.store.end_put(ticket, done))
+        status = [p.Status.FAILED if slot >= 0 and not ok else s
+                  for slot, s in zip(ticket.slots, ticket.status)]
+        self._finish_put(status, sum(n for _, n in local) if ok else 0, "nixl")
+        await self._reply(p.MsgType.PUT_REMOTE, header.request_id, p.PutReply([int(s) for s in status]))
 
     def _nixl_pairs(self, slots: list[int], sizes: list[int], addrs: list[int]
                     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -275,7 +311,7 @@ class Connection:
         self.server.metrics.bytes.labels("in", path).inc(nbytes)
 
     async def _get(self, header: p.Header, body: p.Get) -> None:
-        ticket = await self.store.begin_get(body.keys, body.capacities, self.limits.max_payload_bytes)
+        ticket = await self.store.begin_get(body.keys, body.capacities, self._charge())
         try:
             slab = self.store.slab
             payload = [slab.value(slot, size) for slot, size in zip(ticket.slots, ticket.sizes) if slot >= 0]
@@ -289,15 +325,13 @@ class Connection:
         nixl, peer = self.server.nixl, self._nixl_peer
         if nixl is None or peer is None:
             raise p.UnknownMessageType("GET_REMOTE needs the NIXL data path (none was set up)")
-        ticket = await self.store.begin_get(body.keys, body.capacities, 1 << 62)
-        try:
-            local, remote = self._nixl_pairs(ticket.slots, ticket.sizes, body.addrs)
-            if not await nixl.transfer("WRITE", local, remote, peer):
-                for i, slot in enumerate(ticket.slots):
-                    if slot >= 0:
-                        ticket.status[i], ticket.sizes[i] = p.Status.FAILED, 0
-        finally:
-            self.store.end_get(ticket)
+        ticket = await self.store.begin_get(body.keys, body.capacities, self._charge())
+        local, remote = self._nixl_pairs(ticket.slots, ticket.sizes, body.addrs)
+        # end_get runs once no transfer can read the slots any more (maybe later: nixl_path.py)
+        if not await nixl.transfer("WRITE", local, remote, peer, lambda _: self.store.end_get(ticket)):
+            for i, slot in enumerate(ticket.slots):
+                if slot >= 0:
+                    ticket.status[i], ticket.sizes[i] = p.Status.FAILED, 0
         self._finish_get(ticket.status, sum(ticket.sizes), "nixl")
         reply = p.GetReply([int(s) for s in ticket.status], ticket.sizes)
         await self._reply(p.MsgType.GET_REMOTE, header.request_id, reply)
@@ -314,12 +348,12 @@ class Connection:
         await self._reply(p.MsgType.DELETE, header.request_id, p.DeleteReply(self.store.delete(body.keys)))
 
     async def _stats(self, header: p.Header, body: p.Stats) -> None:
-        await self._reply(p.MsgType.STATS, header.request_id, self.server.stats_reply())
+        await self._reply(p.MsgType.STATS, header.request_id, self.server.stats_reply(self.tenant))
 
     async def _health(self, header: p.Header, body: p.Health) -> None:
         reply = p.HealthReply(
             status="draining" if self.server.draining else "ok",
-            uptime_s=round(self.server.uptime_s, 3), connections=len(self.server.connections),
+            uptime_s=round(self.server.uptime_s, 3), connections=self.server.connection_count(self.tenant),
         )
         await self._reply(p.MsgType.HEALTH, header.request_id, reply)
 
@@ -327,7 +361,10 @@ class Connection:
         if self.server.nixl is None or self._nixl_peer is None:
             raise p.UnknownMessageType("AGENT_META needs the NIXL data path (none was set up)")
         try:
-            self.server.nixl.update_peer(body.metadata)
-        except Exception as exc:  # noqa: BLE001 - NIXL's own error types: refused, typed
+            owner = self.tenant.name if self.tenant is not None else ""
+            self.server.agents.update(self.server.nixl, self._nixl_peer, owner, body.metadata)
+        except AgentRefused as exc:
+            raise p.Unauthorized(f"NIXL metadata refused: {exc}") from None
+        except Exception as exc:
             raise p.MalformedBody(f"NIXL metadata refused: {exc}") from None
         await self._reply(p.MsgType.AGENT_META, header.request_id, p.Ack())

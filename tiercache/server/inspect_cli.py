@@ -1,9 +1,14 @@
-"""``tiercache inspect --server HOST:PORT [--token T]``: what a running cache server holds.
+"""``tiercache inspect --server HOST:PORT [--token T] [--tls-ca FILE]``: what a running cache server holds.
 
 Prints the server's capacity and usage per tier, hit rates (overall and the
 share served from lower tiers) and the connected clients with their own
-counters; ``--json`` prints the raw STATS reply instead. Exit status 1 when
-the server cannot be reached or refuses (wrong token). Also runnable as
+counters; ``--json`` prints the raw STATS reply instead. The whole server is
+shown to an *admin* tenant's token (``admin: true``, or the ``auth_token``
+shorthand); any other tenant's token shows that tenant's view only (its own
+clients and counters, store-wide usage hidden), and the report says so. TLS
+with ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual TLS). Exit
+status 1 when the server cannot be reached or refuses (wrong token, TLS),
+2 for bad arguments. Also runnable as
 ``python -m tiercache.server.inspect_cli --server HOST:PORT``.
 """
 
@@ -44,6 +49,11 @@ def render(stats: Any, address: str) -> str:
     lines = [
         f"server {stats.server} (tiercache {stats.version}) at {address}, up {stats.uptime_s:.1f} s"
         + (", DRAINING" if stats.draining else ""),
+    ]
+    if stats.tenant_view:
+        lines.append(f"tenant view ({stats.tenant_view}): your clients and counters only; store-wide "
+                     "usage is hidden (shown as 0): use an admin token for the whole server")
+    lines += [
         (f"host memory: {format_size(stats.used_bytes)} used of {format_size(stats.capacity_bytes)} "
          f"({_pct(stats.used_bytes, stats.capacity_bytes)}); values up to {format_size(stats.max_value_bytes)}"),
         (f"gets: {stats.get_keys} keys, hit rate {_pct(stats.hits, stats.get_keys)}; "
@@ -78,7 +88,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     token = args.token if args.token is not None else os.environ.get("TIERCACHE_SERVER_TOKEN")
     try:
-        with ServerClient(args.server, token=token, client_name="tiercache-inspect", timeout_s=args.timeout) as c:
+        tls = _tls(args)
+        with ServerClient(args.server, token=token, client_name="tiercache-inspect", timeout_s=args.timeout,
+                          tls=tls, server_name=args.tls_server_name) as c:
             stats = c.stats()
     except ValueError as exc:
         print(exc, file=sys.stderr)
@@ -93,6 +105,21 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tls(args: argparse.Namespace) -> Any:
+    """The TLS context the TLS options ask for (None: plaintext); ValueError naming the option."""
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    from pydantic import ValidationError
+
+    from tiercache.server.tls import ClientTlsConfig, client_context
+
+    try:
+        config = ClientTlsConfig(ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key)
+    except ValidationError as exc:
+        raise ValueError("; ".join(f"--tls: {e['msg']}" for e in exc.errors())) from None
+    return client_context(config)
+
+
 def add_parser(sub: Any) -> None:
     s = sub.add_parser(
         "inspect",
@@ -100,7 +127,14 @@ def add_parser(sub: Any) -> None:
         description="Ask a running tiercache server (tiercache serve) for its statistics.",
     )
     s.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's address")
-    s.add_argument("--token", help="the server's auth token (default: $TIERCACHE_SERVER_TOKEN)")
+    s.add_argument("--token", help="an admin tenant's token for the whole server (a tenant's own token "
+                   "shows only its clients and counters; default: $TIERCACHE_SERVER_TOKEN)")
+    s.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    s.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting this CA bundle (PEM)")
+    s.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM), for mutual TLS")
+    s.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert (PEM)")
+    s.add_argument("--tls-server-name", metavar="NAME",
+                   help="name the server's certificate must carry (default: the host of --server)")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
     s.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
     s.set_defaults(func=run_inspect)

@@ -189,6 +189,9 @@ class StatsReply(_Body):
     refused_messages: int
     tiers: list[TierStats]
     clients: list[ClientStats]
+    # Empty: the whole server (an admin token, or auth: none). Else the tenant whose view this is:
+    # its own clients and counters, store-wide usage 0 (tiercache/server/tenant_stats.py).
+    tenant_view: Text = ""
 
 
 class Health(_Body):

@@ -46,8 +46,9 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser(
         "serve",
         help="run the tiercache cache server (host memory + lower tiers behind TCP/NIXL)",
-        description="Serve chunks to engines over TCP (and NIXL where both sides have it). "
-        "SIGTERM drains in-flight requests and copies, then exits 0.",
+        description="Serve chunks to engines over TCP or TLS (and NIXL where both sides have it). "
+        "Clients authenticate with a tenant's token (auth: token, the default: the config must name "
+        "tokens; auth: none only on loopback). SIGTERM drains in-flight requests and copies, then exits 0.",
     )
     s.add_argument("--config", required=True, help="server YAML (e.g. configs/server.yaml)")
     s.add_argument("--host", help="override the config's bind address")

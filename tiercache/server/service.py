@@ -16,6 +16,15 @@ flight finish and are answered (until ``drain_timeout_s``; then they are
 cancelled, which frees whatever their puts had reserved), every queued
 demotion is written to the lower tiers, the tiers are closed, and
 :meth:`run` returns 0.
+
+Security: the server's :class:`~tiercache.server.auth.TokenTable` names each
+connection's tenant at HELLO (keys are scoped into its space by the
+connection, :mod:`tiercache.server.tenants`); STATS and HEALTH show a
+non-admin tenant only its own connections and counters
+(:mod:`tiercache.server.tenant_stats`); NIXL agents are bound to the tenant
+that loaded them (:mod:`tiercache.server.nixl_owners`); with ``tls:`` every
+accepted socket is served through a TLS stream
+(:mod:`tiercache.server.tls_stream`).
 """
 
 from __future__ import annotations
@@ -24,15 +33,23 @@ import asyncio
 import logging
 import signal
 import socket
+import ssl
 import time
 
 from tiercache import __version__
+from tiercache.config.yaml_file import ConfigError
 from tiercache.server import protocol as p
+from tiercache.server import tenant_stats
+from tiercache.server.admission import Admission
+from tiercache.server.auth import TokenTable
 from tiercache.server.config import ServerConfig
 from tiercache.server.connection import Connection
 from tiercache.server.metrics import ServerMetrics
+from tiercache.server.nixl_owners import AgentOwners
 from tiercache.server.nixl_path import NixlEndpoint, nixl_available
 from tiercache.server.store import ChunkStore
+from tiercache.server.tenants import Tenant
+from tiercache.server.tls import server_context
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +66,27 @@ class CacheServer:
             max_key_bytes=config.max_key_bytes,
             max_value_bytes=config.max_value_bytes,
         )
+        self.tokens = TokenTable.from_config(config)
+        try:  # validated with the config already; a file changed since is still a config error
+            self.tls: ssl.SSLContext | None = server_context(config.tls) if config.tls is not None else None
+        except ValueError as exc:
+            raise ConfigError(f"tls.{exc}") from None
+        self.agents = AgentOwners()
+        self.tenant_totals = tenant_stats.TenantTotals()
         self.store = ChunkStore(config)
         self.metrics = ServerMetrics()
         self.nixl: NixlEndpoint | None = None
         if config.nixl == "on" or (config.nixl == "auto" and nixl_available()):
             try:
-                self.nixl = NixlEndpoint(config.name, self.store.slab.address, self.store.slab.nbytes)
+                self.nixl = NixlEndpoint(config.name, self.store.slab.address, self.store.slab.nbytes,
+                                         config.nixl_timeout_s, config.min_transfer_rate)
             except Exception as exc:
                 if config.nixl == "on":
                     raise
                 logger.warning("NIXL is installed but unusable (%s); TCP data path only", exc)
         self.connections: set[Connection] = set()
+        self.admission: Admission[Connection] = Admission(
+            config.max_connections, config.max_connections_per_peer)
         self.draining = False
         self.port: int | None = None
         self._started = time.monotonic()
@@ -97,10 +124,12 @@ class CacheServer:
             tmp.write_text(f"{self.port}\n")
             tmp.replace(self.config.port_file)
         logger.info(
-            "tiercache server %s listening on %s:%d (%d host slots of %d bytes, tiers %s, data paths %s)",
+            "tiercache server %s listening on %s:%d (%d host slots of %d bytes, tiers %s, data paths %s, "
+            "%s, auth %s)",
             self.config.name, self.config.host, self.port, self.store.slab.num_slots,
             self.store.slab.slot_bytes, [t.name for t in self.config.tiers],
-            "tcp+nixl" if self.nixl else "tcp",
+            "tcp+nixl" if self.nixl else "tcp", "TLS" if self.tls else "plaintext",
+            "none (loopback)" if self.tokens.open else f"{len(self.tokens.tenants)} token(s)",
         )
         return self.port
 
@@ -163,10 +192,19 @@ class CacheServer:
                 await asyncio.sleep(0.05)
                 continue
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-            if len(self.connections) >= self.config.max_connections:
+            host = str(addr[0]) if isinstance(addr, tuple) else peer
+            victims = self.admission.make_room(host)  # the oldest unauthenticated make way (admission.py)
+            for victim in victims or ():
+                self.forget(victim)
+                self.metrics.refused.labels("evicted").inc()
+                if victim.task is not None:  # (a task cancelled before it ran has not closed its socket)
+                    victim.task.cancel()
+                    victim.task.add_done_callback(lambda _, v=victim: v.stream.close())
+            if victims is None:
                 self.metrics.refused.labels("too_many_connections").inc()
                 error = p.frame(p.MsgType.ERROR, 0, p.ErrorReply(
-                    code="too_many_connections", message=f"limit is {self.config.max_connections}"
+                    code="too_many_connections", message=f"limits are {self.config.max_connections} "
+                    f"connections, {self.config.max_connections_per_peer} per address, all authenticated"
                 ))
                 try:
                     sock.setblocking(False)
@@ -179,15 +217,33 @@ class CacheServer:
             self._sessions += 1
             conn = Connection(self, sock, peer, self._sessions)
             self.connections.add(conn)
+            self.admission.add(conn, host)
             self.metrics.connections.set(len(self.connections))
             conn.task = loop.create_task(conn.run(), name=f"tiercache-conn-{self._sessions}")
+            await asyncio.sleep(0)  # its HELLO gets read before a flood's next connection can evict it
 
     def forget(self, conn: Connection) -> None:
+        if conn in self.connections:
+            self.tenant_totals.add_closed(conn.tenant, conn.stats)
         self.connections.discard(conn)
+        self.admission.discard(conn)
         self.metrics.connections.set(len(self.connections))
 
     # ------------------------------------------------------------------ stats
-    def stats_reply(self) -> p.StatsReply:
+    def connection_count(self, tenant: Tenant | None) -> int:
+        return len(tenant_stats.visible(self.connections, tenant))
+
+    def stats_reply(self, tenant: Tenant | None = None) -> p.StatsReply:
+        """STATS: the whole server for an admin (or ``None``: the server itself), else ``tenant``'s view."""
+        full = self._server_stats()
+        if tenant is None or tenant.admin:
+            return full
+        mine = tenant_stats.visible(self.connections, tenant)
+        clients = [c.stats.as_struct(c.stream.bytes_in, c.stream.bytes_out) for c in mine]
+        counters = self.tenant_totals.of(tenant, (c.stats for c in mine))
+        return tenant_stats.tenant_view(full, tenant, sorted(clients, key=lambda x: x.session), counters)
+
+    def _server_stats(self) -> p.StatsReply:
         tiers = self.store.tier_stats()
         c = self.store.counters
         host = tiers[0]

@@ -15,6 +15,15 @@ pins its keys' slots (a lower-tier hit is first read into a host staging
 slot), the connection sends from the slots, and :meth:`ChunkStore.end_get`
 unpins them.
 
+Budgets (:mod:`tiercache.server.budgets`): every begin call takes the
+request's :class:`~tiercache.server.budgets.Charge` and charges each key's
+slot and bytes *before* anything is reserved, pinned or read from a lower
+tier; a key past its connection's or tenant's limit (or past the payload
+bound, ``max_message_bytes``, which is the connection's byte limit) is
+answered LIMIT. A lower-tier hit is charged its capacity (its size is not
+known before it is read), so a GET never stages more than it may send. The
+matching end call releases the charge.
+
 The store's :class:`~tiercache.server.tier_pump.TierPump` (``store.pump``;
 the server runs ``pump.run()`` as one task) moves bytes between the host slab
 and the lower tiers: queued deletes, write-through/write-back demotions, the
@@ -37,6 +46,7 @@ from tiercache.backend import Backend, BackendContext
 from tiercache.config.schema import ConfigError
 from tiercache.manager.directory import TierSpec
 from tiercache.manager.offloading import OffloadingManager
+from tiercache.server.budgets import BudgetLimits, Budgets, Charge
 from tiercache.server.config import ServerConfig
 from tiercache.server.protocol import Status, TierStats
 from tiercache.server.slab import Slab, slot_bytes_for
@@ -58,6 +68,7 @@ class PutTicket:
     status: list[Status]
     slots: list[int]  # host slot of each accepted key (OK), -1 otherwise
     stored: list[bytes] = field(default_factory=list)  # keys holding a STORING slot
+    charge: Charge | None = None  # released by end_put
 
 
 @dataclass
@@ -72,6 +83,7 @@ class GetTicket:
     staged: list[bytes] = field(default_factory=list)  # keys this get reads from a lower tier
     host_hits: int = 0
     lower_hits: int = 0
+    charge: Charge | None = None  # released by end_get
 
 
 class ChunkStore:
@@ -104,6 +116,7 @@ class ChunkStore:
             context = BackendContext(tier.name, SERVER_NAMESPACE, slot_bytes, tier.capacity)
             self.backends[tier.name] = create_backend(tier, context, index)
         self.slab = Slab(num_slots, config.max_value_bytes)  # after the config is known good
+        self.budgets = Budgets(BudgetLimits.from_config(config, num_slots))
         self._tier_backend = {t.name: t.backend for t in config.tiers}
         self._capacity = {t.name: t.capacity for t in config.tiers}
         # key -> resolved when the get that is staging it from a lower tier has ended (the
@@ -149,7 +162,10 @@ class ChunkStore:
         return dropped
 
     # ------------------------------------------------------------------ puts
-    def begin_put(self, keys: Sequence[bytes], sizes: Sequence[int], overwrite: bool) -> PutTicket:
+    def begin_put(self, keys: Sequence[bytes], sizes: Sequence[int], overwrite: bool,
+                  charge: Charge | None = None) -> PutTicket:
+        """Reserve host slots for the keys that may be stored; a status per key (OK: receive its bytes)."""
+        charge = charge if charge is not None else self.budgets.charge("")
         n = len(keys)
         status = [Status.OK] * n
         slots = [-1] * n
@@ -177,21 +193,30 @@ class ChunkStore:
             for i in candidates[len(host.free_slots):]:
                 status[i] = Status.FULL
             candidates = candidates[: len(host.free_slots)]
-        plan = self.manager.prepare_store([keys[i] for i in candidates]) if candidates else None
+        allowed = []
+        for i in candidates:  # the budgets: a slot and the value's bytes each, in order
+            if charge.take("r", keys[i], sizes[i]):
+                allowed.append(i)
+            else:
+                status[i] = Status.LIMIT
+        plan = self.manager.prepare_store([keys[i] for i in allowed]) if allowed else None
         placed = dict(zip(plan.keys, plan.slots)) if plan is not None else {}
         stored: list[bytes] = []
-        for i in candidates:
+        for i in allowed:
             slot = placed.get(keys[i])
             if slot is None:
                 status[i] = Status.FULL
             else:
                 slots[i] = slot
                 stored.append(keys[i])
+        charge.settle("r", stored, sum(sizes[i] for i in allowed if slots[i] >= 0))
         self.counters["put_keys"] += n
-        return PutTicket(list(keys), list(sizes), status, slots, stored)
+        return PutTicket(list(keys), list(sizes), status, slots, stored, charge)
 
     def end_put(self, ticket: PutTicket, ok: bool) -> None:
         """All bytes of the accepted keys arrived (``ok``) or the put failed: READY or gone."""
+        if ticket.charge is not None:
+            ticket.charge.release()
         if not ticket.stored:
             return
         if ok:
@@ -208,21 +233,20 @@ class ChunkStore:
         self.pump.wake()
 
     # ------------------------------------------------------------------ gets
-    async def begin_get(self, keys: Sequence[bytes], capacities: Sequence[int], max_payload: int) -> GetTicket:
+    async def begin_get(self, keys: Sequence[bytes], capacities: Sequence[int],
+                        charge: Charge | None = None) -> GetTicket:
+        """Pin (staging from lower tiers first) the keys this get may send; a status per key."""
+        charge = charge if charge is not None else self.budgets.charge("")
         unique = list(dict.fromkeys(keys))
         waits = [self._staging[k] for k in unique if k in self._staging]
         if waits:  # another get is reading these from a lower tier: wait for it, then share
             await asyncio.wait(waits)
-        host = self.host
-        lower_ready = [t.ready for t in self.manager.lower]
-        loadable = [
-            k for k in unique
-            if k in host.ready or (k not in host.storing and any(k in r for r in lower_ready))
-        ]
-        plan = self.manager.prepare_load(loadable) if loadable else None
+        ticket = GetTicket(list(keys), [Status.MISS] * len(keys), [-1] * len(keys), [0] * len(keys), [],
+                           charge=charge)
+        chosen = self._bound_get(keys, capacities, ticket.status, charge)
+        plan = self.manager.prepare_load(chosen) if chosen else None
         slot_of: dict[bytes, int] = {}
         failed: set[bytes] = set()
-        ticket = GetTicket(list(keys), [Status.MISS] * len(keys), [-1] * len(keys), [0] * len(keys), [])
         if plan is not None:
             ticket.pinned = list(plan.keys)
             slot_of = dict(zip(plan.keys, plan.slots))
@@ -247,26 +271,21 @@ class ChunkStore:
             self.manager.discard(list(failed))  # the lower copy is bad: never again
             ticket.pinned = [k for k in ticket.pinned if k not in failed]
             self.counters["tier_failures"] += len(failed)
-        payload = 0
         for i, key in enumerate(keys):
+            if ticket.status[i] is not Status.OK:
+                continue  # refused before anything was pinned
             slot = slot_of.get(key)
+            size = self.slab.size_of(slot) if slot is not None and key not in failed else None
             if slot is None:
-                continue
-            if key in failed:
-                ticket.status[i] = Status.FAILED
-                continue
-            size = self.slab.size_of(slot)
-            if size is None:
+                ticket.status[i] = Status.MISS  # no host slot to stage it into
+            elif size is None:
                 ticket.status[i] = Status.FAILED
             elif size > capacities[i]:
                 ticket.status[i] = Status.BAD_SIZE
-            elif payload + size > max_payload:
-                ticket.status[i] = Status.LIMIT
             else:
-                ticket.status[i] = Status.OK
                 ticket.slots[i] = slot
                 ticket.sizes[i] = size
-                payload += size
+        charge.settle("p", ticket.pinned, sum(ticket.sizes))
         hits = sum(1 for s in ticket.status if s is Status.OK)
         self.counters["get_keys"] += len(keys)
         self.counters["hits"] += hits
@@ -274,8 +293,41 @@ class ChunkStore:
         self.counters["lower_hits"] += ticket.lower_hits
         return ticket
 
+    def _bound_get(self, keys: Sequence[bytes], capacities: Sequence[int], status: list[Status],
+                   charge: Charge) -> list[bytes]:
+        """Which keys a get may serve, decided before any is pinned or staged (statuses set: OK for now).
+
+        A host hit is charged its size, a lower-tier hit its capacity (at most
+        ``max_value_bytes``: its size is known only once it is read); a key
+        charged again (twice in one get) costs its bytes again, not its slot.
+        """
+        host = self.host
+        lower_ready = [t.ready for t in self.manager.lower]
+        chosen: dict[bytes, None] = {}
+        for i, key in enumerate(keys):
+            if key in host.ready:
+                size = self.slab.size_of(host.ready[key])
+                if size is None:
+                    status[i] = Status.FAILED
+                    continue
+                if size > capacities[i]:
+                    status[i] = Status.BAD_SIZE
+                    continue
+            elif key not in host.storing and any(key in r for r in lower_ready):
+                size = min(capacities[i], self.slab.max_value_bytes)
+            else:
+                continue  # MISS
+            if not charge.take("p", key, size):
+                status[i] = Status.LIMIT
+                continue
+            status[i] = Status.OK
+            chosen[key] = None
+        return list(chosen)
+
     def end_get(self, ticket: GetTicket) -> None:
         """The values were sent (or the send failed): unpin the slots (staged chunks stay in host)."""
+        if ticket.charge is not None:
+            ticket.charge.release()
         if ticket.pinned:
             self.manager.complete_load(ticket.pinned)
             ticket.pinned = []

@@ -13,6 +13,7 @@ concatenation copy).
 loop thread, one per connection task); :class:`SyncStream` is the client's (a
 blocking socket with a timeout, used by one thread at a time). Neither keeps
 a reference to a caller's buffer after the call that was given it returns.
+Their TLS counterparts (same interface) are in :mod:`tiercache.server.tls_stream`.
 """
 
 from __future__ import annotations
@@ -24,15 +25,21 @@ from collections.abc import Sequence
 from tiercache.server.protocol import Truncated
 
 INBOX_BYTES = 256 * 1024
+FIRST_INBOX_BYTES = 4096  # an inbox starts this small and grows to INBOX_BYTES at the first larger read
 IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 _Buffer = bytes | bytearray | memoryview
 
 
 class Inbox:
-    """Bytes received ahead of the reader: ``buf[start:end]`` is pending."""
+    """Bytes received ahead of the reader: ``buf[start:end]`` is pending.
 
-    def __init__(self, size: int = INBOX_BYTES) -> None:
-        self.buf = bytearray(size)
+    The buffer starts at ``first`` bytes and grows to ``size`` once a read
+    needs more (a connection that never sends a request costs 4 KiB, not 256).
+    """
+
+    def __init__(self, size: int = INBOX_BYTES, first: int = FIRST_INBOX_BYTES) -> None:
+        self.size = size
+        self.buf = bytearray(min(size, first))
         self.view = memoryview(self.buf)
         self.start = 0
         self.end = 0
@@ -49,6 +56,10 @@ class Inbox:
             pending = self.end - self.start
             self.view[:pending] = self.view[self.start : self.end]
             self.start, self.end = 0, pending
+        if n > len(self.buf):  # grow (once) to the full size
+            grown = bytearray(self.size)
+            grown[: self.end] = self.view[: self.end]
+            self.buf, self.view = grown, memoryview(grown)
         return self.view[self.end :]
 
     def take(self, n: int) -> memoryview:
@@ -130,7 +141,7 @@ class AsyncStream:
     async def read(self, n: int) -> memoryview | bytearray:
         """Exactly ``n`` bytes: a view into the inbox (until the next read) or a new buffer."""
         inbox = self.inbox
-        if n > len(inbox.buf):
+        if n > inbox.size:
             out = bytearray(n)
             await self.read_into(memoryview(out))
             return out
@@ -217,9 +228,13 @@ class SyncStream:
             raise Truncated("connection closed by the server")
         return n
 
+    def has_pending(self) -> bool:
+        """Whether received bytes wait to be read (the socket's readiness does not show them)."""
+        return self.inbox.pending > 0
+
     def read(self, n: int) -> memoryview | bytearray:
         inbox = self.inbox
-        if n > len(inbox.buf):
+        if n > inbox.size:
             out = bytearray(n)
             self.read_into(memoryview(out))
             return out
