@@ -29,10 +29,11 @@ NIXL (when ``from nixl._api import nixl_agent`` works here, UCX, DRAM<->DRAM):
   run as tiercache's do: no NIXL progress thread (it spins a core), the
   initiator's polling drives the transfer, the passive side progresses its
   agent while it waits.
-* ``tier``: ServerBackend with ``data_path: nixl`` and the client buffer
-  registered (:meth:`ServerBackend.register_buffer`, zero copy): each request
-  is a PUT_REMOTE/GET_REMOTE on the control connection, one NIXL transfer by
-  the server into/out of its slots, and the reply.
+* ``tier``: ServerBackend with ``data_path: nixl``: each request is a
+  PUT_REMOTE/GET_REMOTE on the control connection, one NIXL transfer by the
+  server into/out of its slots, and the reply. Every chunk travels as a frame
+  (header + chunk, checksummed), staged whole through the I/O thread's
+  registered arena (one copy each way; the server needs one contiguous value).
 
 Every get is verified byte exact once per cell (untimed). Run:
 ``python -m bench server_tier`` (``--help``); JSON goes to
@@ -69,6 +70,7 @@ from tiercache.backend import BackendContext
 from tiercache.server.client import ServerClient
 from tiercache.server.nixl_path import nixl_available
 from tiercache.server.protocol import Status
+from tiercache.server.slab import HEADER_ALLOWANCE
 from tiercache.testing.conformance import wait_for_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,8 +153,10 @@ def free_port() -> int:
 def start_tiercache(tmp: Path, chunk: int, request_bytes: int, nixl: bool) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     config = {
-        "port": port, "nixl": "on" if nixl else "off", "max_value_bytes": chunk,
-        "max_message_bytes": max(request_bytes, chunk), "max_keys_per_message": 4096,
+        "port": port, "nixl": "on" if nixl else "off", "max_value_bytes": chunk, "auth": "none",
+        # the tier's values are frames: each chunk plus its header (at most HEADER_ALLOWANCE)
+        "max_message_bytes": max(request_bytes, chunk) * (chunk + HEADER_ALLOWANCE) // chunk,
+        "max_keys_per_message": 4096,
         "tiers": [{"name": "cpu", "backend": "cpu", "capacity": 3 * request_bytes + (64 << 20)}],
     }
     path = tmp / f"server-{chunk}-{int(nixl)}.yaml"
@@ -223,7 +227,7 @@ def client_runners(w: Workload, address: str) -> tuple[Runner, Runner, Callable[
     client.connect()
 
     def put() -> int:
-        statuses = client.put(w.keys, w.src_views)
+        statuses = client.put(w.keys, w.src_views, overwrite=True)  # each round replaces the last
         assert statuses == [Status.OK] * w.count, set(statuses)
         return w.chunk * w.count
 
@@ -238,7 +242,9 @@ def client_runners(w: Workload, address: str) -> tuple[Runner, Runner, Callable[
 def tier_runners(w: Workload, address: str, nixl: bool) -> tuple[Runner, Runner, Callable[[], None]]:
     settings = ServerSettings(address=address, connections=1, data_path="nixl" if nixl else "tcp",
                               timeout_s=60, max_batch_keys=4096, max_batch_bytes=w.chunk * w.count,
-                              nixl_staging_bytes=1 << 20)
+                              # frames are staged whole through the arena: room for one request's
+                              nixl_staging_bytes=w.count * (w.chunk + HEADER_ALLOWANCE),
+                              overwrite=True)  # replaces the client path's values
     backend = ServerBackend(settings, BackendContext("bench", b"bench-ns", w.chunk, 1 << 40))
     if nixl:
         backend.register_buffer(memoryview(w.src))
@@ -336,10 +342,10 @@ def bench_nixl(chunks: list[int], request_bytes: int, seconds: float, reps: int,
             w.verify()
             for rep in range(reps):
                 cells = [
-                    ("raw_put", lambda: raw_cell(raw, side, "READ", w.src, chunk, count, seconds)),  # noqa: B023
-                    ("raw_get", lambda: raw_cell(raw, side, "WRITE", w.dst, chunk, count, seconds)),  # noqa: B023
-                    ("tier_put", lambda: measure(put, seconds)),  # noqa: B023 - called in this iteration
-                    ("tier_get", lambda: measure(get, seconds)),  # noqa: B023
+                    ("raw_put", lambda: raw_cell(raw, side, "READ", w.src, chunk, count, seconds)),
+                    ("raw_get", lambda: raw_cell(raw, side, "WRITE", w.dst, chunk, count, seconds)),
+                    ("tier_put", lambda: measure(put, seconds)),
+                    ("tier_get", lambda: measure(get, seconds)),
                 ]
                 if rep % 2:
                     cells = cells[2:] + cells[:2]

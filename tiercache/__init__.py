@@ -9,8 +9,8 @@ Rooms, each a sub-package whose ``__init__`` says what it owns and may import
 -> ``server`` -> ``manager`` | ``transfer`` | ``pd`` -> ``tiers`` -> the
 vocabulary every room shares, in this folder: ``backend`` (the plugin
 contract), ``keys``, ``jobs`` (what the scheduler hands the worker), ``layout``,
-``shards``, ``faults``, ``events``, ``metrics``, ``integrity``, ``counters``,
-``buffers``; and ``config`` below them all. ``testing`` is the kit for tests
+``shards``, ``faults``, ``events``, ``metrics``, ``integrity`` (with ``mac``),
+``counters``, ``buffers``; and ``config`` below them all. ``testing`` is the kit for tests
 and plugin authors. Nothing here imports ``tiercache.backends`` or
 ``tiercache.connector``.
 """

@@ -39,7 +39,8 @@ class JobResult:
 class BackendSettings(BaseModel):
     """Base of every backend's settings model (a tier's ``options`` in YAML)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: options may hold secrets (tokens, passwords, MAC keys).
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 @dataclass(frozen=True)

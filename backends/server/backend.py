@@ -15,21 +15,36 @@ thread is free, so a large job uses every connection. ``contains`` and
 ``timeout_s``) and may be called from any thread, as the scheduler's shared
 lookup does; ``submit_*``, ``poll`` and ``close`` from the owner's thread.
 
+Integrity (``verifies_integrity``): every chunk is stored as a frame of
+:mod:`tiercache.integrity` (namespace, key, length, xxh3_64; or, with
+``mac_key``, a keyed MAC) and verified on every load (:mod:`.frames`): a chunk
+another client overwrote, damaged or forged is a failed key counted in
+``stats()["checksum_failures"]``, never bytes for the engine. With a
+``mac_key`` (option, or ``TIERCACHE_MAC_KEY``) only frames written with the same
+key load, so a client without it cannot poison this tier's chunks. A key
+refused on load is remembered (at most ``MAX_REFUSED_KEYS``): the engine's
+next store of it overwrites the bad copy whatever ``overwrite`` says
+(counted in ``replaced``), so a forged chunk costs one recompute, not a miss
+until eviction.
+
 Data path: TCP, or NIXL when ``data_path`` allows it, nixl imports here and
-the server offers it. With NIXL the server READs a put's values from, and
-WRITEs a get's values into, memory registered with this client's agent: a
-view inside a buffer given to :meth:`ServerBackend.register_buffer` (an
-engine's host slab) is used in place; other views are copied through the
-I/O thread's arena of a registered staging area (a part then holds at most
-one arena of such views). The agent has no progress thread (NIXL's spins a
-core): the I/O thread waiting for a NIXL reply drives it, sleeping in
-``select`` between rounds.
+the server offers it. Over TCP a frame's header and the engine's view travel
+as two pieces of one value, both ways (no copy). With NIXL the server READs a
+put's values from, and WRITEs a get's values into, memory registered with
+this client's agent: the I/O thread's arena of a registered staging area,
+where each frame is staged whole (header and chunk must be contiguous for
+the server; one copy each way; a part then holds at most one arena of
+frames). The agent has no progress thread (NIXL's spins a core): the I/O
+thread waiting for a NIXL reply drives it, sleeping in ``select`` between
+rounds.
 
 Failures: a dead or unreachable server, a timeout, a refused request - the
 part's keys fail (counted in :meth:`ServerBackend.stats`), the connection is
 closed, and its thread reconnects with exponential backoff (between attempts
-its parts fail at once, so a dead server costs no waiting). Nothing raises
-into the engine.
+its parts fail at once, so a dead server costs no waiting). A connection the
+server ended while it was idle (its ``idle_timeout_s``, a drain) is noticed
+before the next request and replaced at once (``server_closed``), so the
+idle timeout costs no failed request. Nothing raises into the engine.
 
 Buffers: the engine owns every view. A thread reads a put's views while
 sending (or the server reads them over NIXL before it replies) and writes a
@@ -46,13 +61,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
-from tiercache.backend import Backend, BackendContext, JobResult
+from tiercache.backends.server.frames import Framer
 from tiercache.backends.server.settings import ServerSettings
 from tiercache.backends.server.worker import Call, Part, ServerJob, Worker
+
+from tiercache.backend import Backend, BackendContext, JobResult
+from tiercache.integrity import MacKey, compact_header_len, round_up
 from tiercache.server import protocol as p
 from tiercache.server.client import ServerClient
 from tiercache.server.nixl_client import NixlClientSide
@@ -63,9 +82,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+MAX_REFUSED_KEYS = 65536  # refused chunks remembered for replacement (oldest forgotten first)
+
 _COUNTERS = (
-    "puts", "put_failures", "gets", "get_failures", "misses", "request_errors",
-    "connects", "connect_failures", "fast_failures",
+    "puts", "put_failures", "gets", "get_failures", "misses", "checksum_failures",
+    "request_errors", "connects", "connect_failures", "fast_failures", "server_closed", "replaced",
 )
 
 
@@ -73,6 +94,7 @@ class ServerBackend(Backend):
     name = "server"
     settings_model = ServerSettings
     shared = True
+    verifies_integrity = True  # compact frames, checked on every load (.frames)
 
     @classmethod
     def footprint(cls, chunk_bytes: int) -> int:
@@ -81,25 +103,32 @@ class ServerBackend(Backend):
     def __init__(self, settings: ServerSettings, context: BackendContext) -> None:
         self.settings = settings
         self.context = context
+        self.framer = Framer(context.namespace, MacKey.from_secret(settings.mac_key), context.tier_name)
         self._lock = threading.Lock()
         self._results: list[JobResult] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._refused: OrderedDict[bytes, None] = OrderedDict()  # under _lock: see note_refused
         #: What the I/O threads take: parts of jobs, synchronous calls, None to stop.
         self.requests: queue.SimpleQueue[Part | Call | None] = queue.SimpleQueue()
         self._closed = False
         self.nixl: NixlClientSide | None = None
         if settings.data_path != "tcp":
             try:
-                self.nixl = NixlClientSide(settings.nixl_staging_bytes, settings.connections)
+                # room for a frame header per arena: a chunk as large as an arena still fits
+                header = round_up(compact_header_len(p.MAX_KEY_BYTES_CAP))
+                staging = settings.nixl_staging_bytes + settings.connections * header
+                self.nixl = NixlClientSide(staging, settings.connections)
             except Exception:
                 level = logging.WARNING if settings.data_path == "nixl" else logging.DEBUG
                 logger.log(level, "server tier %s: no NIXL here; TCP data path", context.tier_name,
                            exc_info=True)
         token = settings.token.get_secret_value() if settings.token is not None else None
         name = settings.client_name or f"{context.tier_name}/rank{context.rank}"
+        tls = settings.tls_context()
         self._workers = [
             Worker(self, i, ServerClient(
                 settings.address, token, name, settings.timeout_s, settings.connect_timeout_s,
+                tls=tls, server_name=settings.tls.server_name if settings.tls is not None else None,
             ))
             for i in range(settings.connections)
         ]
@@ -155,7 +184,11 @@ class ServerBackend(Backend):
 
     # ------------------------------------------------------------------ extras
     def register_buffer(self, buffer: memoryview) -> bool:
-        """Register a long-lived host buffer for zero-copy NIXL transfers; False without NIXL."""
+        """Register a long-lived host buffer with the NIXL agent; False without NIXL.
+
+        Frames are staged whole through the arenas (see the module docstring), so
+        this saves no copy today; it is kept for callers that register their slab.
+        """
         if self.nixl is None:
             return False
         self.nixl.register(buffer)
@@ -167,6 +200,24 @@ class ServerBackend(Backend):
         out["connected"] = sum(1 for w in self._workers if w.client.connected)
         out["nixl_connections"] = sum(1 for w in self._workers if w.nixl_active)
         return out
+
+    def note_refused(self, keys: Sequence[bytes]) -> None:
+        """These keys' stored copies failed verification: our next store of them overwrites (any thread)."""
+        with self._lock:
+            for key in keys:
+                self._refused[key] = None
+            while len(self._refused) > MAX_REFUSED_KEYS:
+                self._refused.popitem(last=False)
+
+    def take_refused(self, keys: Sequence[bytes]) -> bool:
+        """Whether any of ``keys`` was refused on load (forgotten now: this store replaces it)."""
+        with self._lock:
+            hits = [key for key in keys if key in self._refused]
+            for key in hits:
+                del self._refused[key]
+            if hits:
+                self._counters["replaced"] += len(hits)
+        return bool(hits)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to a counter of :meth:`stats` (any thread)."""
@@ -192,8 +243,8 @@ class ServerBackend(Backend):
             self.requests.put(part)
 
     def _split(self, job: ServerJob, indices: list[int]) -> list[Part]:
-        """Parts of at most max_batch_keys keys and max_batch_bytes bytes; with NIXL, the views
-        outside registered buffers (copied through an arena) also fit one arena per part."""
+        """Parts of at most max_batch_keys keys and max_batch_bytes bytes; with NIXL, the frames
+        (staged through an arena) also fit one arena per part."""
         max_keys = self.settings.max_batch_keys
         max_bytes = self.settings.max_batch_bytes
         nixl = self.nixl
@@ -203,7 +254,7 @@ class ServerBackend(Backend):
         size = staged = 0
         for i in indices:
             n = len(job.views[i])
-            s = n if nixl is not None and nixl.locate(job.views[i]) is None else 0
+            s = Framer.framed_bytes(job.keys[i], job.views[i]) if nixl is not None else 0
             if current and (len(current) == max_keys or size + n > max_bytes or (s and staged + s > arena)):
                 parts.append(Part(job, current))
                 current, size, staged = [], 0, 0

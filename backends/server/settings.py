@@ -2,25 +2,57 @@
 
 Plain validated data, read by :class:`~tiercache.backends.server.backend.ServerBackend`
 and its I/O threads (:mod:`tiercache.backends.server.worker`); the address is
-checked here, when the configuration is read.
+checked here, when the configuration is read, and so are the TLS files
+(:class:`~tiercache.server.tls.ClientTlsConfig`: they must load). The token
+is the server tenant's (``token``, else the ``TIERCACHE_SERVER_TOKEN``
+environment variable, the one ``tiercache inspect`` reads too); it is a
+:class:`~pydantic.SecretStr`, never shown.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+import ssl
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator
 
 from tiercache.backend import BackendSettings
 from tiercache.config.schema import ByteSize
+from tiercache.mac import check_mac_secret, mac_key_default
 from tiercache.server.client import parse_address
+from tiercache.server.config_auth import require_token
+from tiercache.server.tls import ClientTlsConfig, client_context
+
+TOKEN_ENV = "TIERCACHE_SERVER_TOKEN"
+
+
+def _token_from_env() -> SecretStr | None:
+    value = os.environ.get(TOKEN_ENV)
+    return SecretStr(value) if value is not None else None
 
 
 class ServerSettings(BackendSettings):
     """Options of a ``backend: server`` tier."""
 
     address: str = Field(description="HOST:PORT of the cache server (tiercache serve).")
-    token: SecretStr | None = Field(default=None, description="The server's auth_token, if it has one.")
+    token: Annotated[SecretStr | None, AfterValidator(require_token)] = Field(
+        default_factory=_token_from_env, validate_default=True,
+        description="This engine's tenant token on the server (its auth_token or a tenants entry); "
+        "default: $TIERCACHE_SERVER_TOKEN; unset for a server with auth: none. Empty is an error.",
+    )
+    mac_key: Annotated[SecretStr | None, AfterValidator(check_mac_secret)] = Field(
+        default_factory=mac_key_default, validate_default=True,
+        description="Secret (16+ random characters) that authenticates every chunk with a keyed MAC: "
+        "only chunks written with the same key load, so a client without it cannot poison them. "
+        "Default: $TIERCACHE_MAC_KEY; unset: xxh3 checksums only. Empty is an error.",
+    )
+    tls: ClientTlsConfig | None = Field(
+        default=None,
+        description="TLS to the server: {ca_file (default: system CAs), cert_file + key_file (mutual "
+        "TLS), server_name (default: the address's host)}. Unset: plaintext TCP. With NIXL only the "
+        "control channel is TLS; values move over NIXL/UCX unencrypted.",
+    )
     connections: int = Field(default=2, ge=1, le=32, description="TCP connections (one I/O thread each).")
     timeout_s: float = Field(default=10.0, gt=0, description="Seconds one request may take.")
     connect_timeout_s: float = Field(default=2.0, gt=0)
@@ -32,12 +64,12 @@ class ServerSettings(BackendSettings):
         "nixl: NIXL required (requests fail without it).",
     )
     nixl_staging_bytes: ByteSize = Field(
-        default=64 << 20, description="Registered staging memory for views outside registered buffers."
+        default=64 << 20, description="Registered staging memory that NIXL frames go through."
     )
     overwrite: bool = Field(
-        default=True,
-        description="A put replaces a chunk the server holds; false: held chunks are kept "
-        "(chunk keys name their bytes, so engines may skip the rewrite).",
+        default=False,
+        description="false (default): a chunk the server holds is kept (chunk keys name their bytes; "
+        "nobody, the same tenant included, replaces what was stored first); true: a put replaces it.",
     )
     max_batch_keys: int = Field(default=256, ge=1, le=65536, description="Keys per request.")
     max_batch_bytes: ByteSize = Field(default=32 << 20, gt=0, description="Value bytes per request.")
@@ -48,3 +80,7 @@ class ServerSettings(BackendSettings):
     def _address(cls, value: str) -> str:
         parse_address(value)
         return value
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The client TLS context of ``tls`` (None: plaintext); one per backend, shared by its threads."""
+        return client_context(self.tls) if self.tls is not None else None

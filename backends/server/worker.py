@@ -8,8 +8,10 @@ and always reported to :meth:`ServerBackend.part_done
 <tiercache.backends.server.backend.ServerBackend.part_done>`) or a
 synchronous :class:`Call` (its result handed to the waiting caller's future).
 The thread reads a put's views and writes a get's views only while it runs
-their part; the arena it stages NIXL values through is its own (index
-``index`` of the backend's :class:`~tiercache.server.nixl_client.NixlClientSide`).
+their part; every value is a frame (:mod:`.frames`: built on put, verified on
+get before the key counts as loaded); the arena it stages NIXL frames through
+is its own (index ``index`` of the backend's
+:class:`~tiercache.server.nixl_client.NixlClientSide`).
 
 These threads are not :class:`~tiercache.tiers.worker_lanes.WorkerLanes`:
 each keeps its own connection and backoff state, and the backend's ``close``
@@ -19,17 +21,19 @@ bounds how long it waits for them (a dead server must not hang it).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-import queue
 from typing import Any, Protocol, TypeVar
+
+from tiercache.backends.server.frames import Framer
+from tiercache.backends.server.settings import ServerSettings
 
 from tiercache import faults
 from tiercache.backend import BackendContext
-from tiercache.backends.server.settings import ServerSettings
 from tiercache.server import protocol as p
 from tiercache.server.client import ServerClient
 from tiercache.server.nixl_client import NixlClientSide, view_address
@@ -70,10 +74,15 @@ class WorkerOwner(Protocol):
     context: BackendContext
     requests: queue.SimpleQueue[Part | Call | None]
     nixl: NixlClientSide | None
+    framer: Framer
 
     def count(self, name: str, n: int = 1) -> None: ...
 
     def part_done(self, part: Part, ok: list[bool]) -> None: ...
+
+    def note_refused(self, keys: Sequence[bytes]) -> None: ...
+
+    def take_refused(self, keys: Sequence[bytes]) -> bool: ...
 
 
 class Worker:
@@ -98,7 +107,7 @@ class Worker:
                 return
             try:
                 self._serve(item)
-            except Exception as exc:  # noqa: BLE001 - the I/O thread outlives anything the server sends
+            except Exception as exc:
                 faults.record(faults.BACKEND_EXCEPTION, exc, where=f"server tier {self.backend.context.tier_name}")
 
     def _serve(self, item: Part | Call) -> None:
@@ -108,7 +117,7 @@ class Worker:
             if item.future.set_running_or_notify_cancel():
                 try:
                     item.future.set_result(self._with_connection(item.fn))
-                except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
+                except Exception as exc:
                     item.future.set_exception(exc)
             return
         part = item
@@ -135,7 +144,11 @@ class Worker:
 
     def _connect(self) -> None:
         if self.client.connected:
-            return
+            if not self.client.closed_by_server():
+                return
+            self.client.close()  # idle-closed or drained by the server: a fresh one, no backoff
+            self.nixl_active = False
+            self.backend.count("server_closed")
         backend = self.backend
         now = time.monotonic()
         if now < self.next_attempt:
@@ -174,9 +187,9 @@ class Worker:
         too_big = [len(v) > welcome.max_value_bytes or len(k) > welcome.max_key_bytes for k, v in zip(keys, views)]
         chosen = [i for i, bad in enumerate(too_big) if not bad]
         ok = [False] * len(keys)
-        step = max(1, min(welcome.max_keys, self.backend.settings.max_batch_keys))
-        for start in range(0, len(chosen), step):
-            sub = chosen[start : start + step]
+        max_keys = max(1, min(welcome.max_keys, self.backend.settings.max_batch_keys))
+        sizes = [Framer.framed_bytes(keys[i], views[i]) for i in chosen]
+        for sub in _batches(chosen, sizes, max_keys, welcome.max_payload_bytes):
             sub_keys = [keys[i] for i in sub]
             sub_views = [views[i] for i in sub]
             if job.kind == "put":
@@ -187,65 +200,76 @@ class Worker:
                 ok[i] = g
         return ok
 
-    def _use_nixl(self, views: list[memoryview]) -> bool:
-        """NIXL for this request: the connection has it and the staged views fit the arena."""
+    def _use_nixl(self, keys: list[bytes], views: list[memoryview]) -> bool:
+        """NIXL for this request: the connection has it and the staged frames fit the arena."""
         nixl = self.backend.nixl
         if not self.nixl_active or nixl is None:
             return False
-        staged = sum(len(v) for v in views if nixl.locate(v) is None)
-        return staged <= nixl.arena_bytes
+        return sum(map(Framer.framed_bytes, keys, views)) <= nixl.arena_bytes
 
     def _put(self, client: ServerClient, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        overwrite = self.backend.settings.overwrite
-        if not self._use_nixl(views):
-            return [s in p.OK_PUT for s in client.put(keys, views, overwrite)]
-        addrs = self._nixl_addresses(client, views, copy_in=True)
-        statuses = client.put_remote(keys, [len(v) for v in views], addrs, overwrite)
-        return [s in p.OK_PUT for s in statuses]
+        # A chunk whose stored copy failed our check is replaced by this store whatever the
+        # overwrite policy (else a damaged or forged chunk stays a miss until evicted).
+        overwrite = self.backend.settings.overwrite or self.backend.take_refused(keys)
+        framer = self.backend.framer
+        if not self._use_nixl(keys, views):
+            return [s in p.OK_PUT for s in client.put(keys, framer.put_values(keys, views), overwrite)]
+        frames = framer.stage(self._arena(client), keys, views, copy_in=True)
+        sizes, addrs = self._placed(frames)
+        return [s in p.OK_PUT for s in client.put_remote(keys, sizes, addrs, overwrite)]
 
     def _get(self, client: ServerClient, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        if not self._use_nixl(views):
-            statuses, sizes = client.get(keys, views)
+        framer = self.backend.framer
+        if not self._use_nixl(keys, views):
+            frames = framer.get_values(keys, views)
+            statuses, sizes = client.get(keys, frames)
         else:
-            addrs = self._nixl_addresses(client, views, copy_in=False)
-            statuses, sizes = client.get_remote(keys, [len(v) for v in views], addrs)
-            self._copy_out(views, addrs, statuses, sizes)
-        ok = []
-        for view, status, size in zip(views, statuses, sizes):
-            good = status is p.Status.OK and size == len(view)
-            if status is p.Status.OK and not good:
-                view[:size] = bytes(size)  # a value of another size: not this chunk, leave nothing
+            frames = framer.stage(self._arena(client), keys, views, copy_in=False)
+            statuses, sizes = client.get_remote(keys, *self._placed(frames))
+        ok: list[bool] = []
+        refused: list[bytes] = []
+        for key, view, (head, body), status, size in zip(keys, views, frames, statuses, sizes):
+            good = status is p.Status.OK and framer.verified(key, head, body, size)
+            if good and body is not view:
+                framer.deliver(body, view)
+            elif status is p.Status.OK and not good:
+                self.backend.count("checksum_failures")
+                refused.append(key)
+                if body is view:
+                    view[:] = bytes(len(view))  # received, then refused: leave nothing of it
             if status is p.Status.MISS:
                 self.backend.count("misses")
             ok.append(good)
+        if refused:
+            self.backend.note_refused(refused)
         return ok
 
-    def _nixl_addresses(self, client: ServerClient, views: list[memoryview], copy_in: bool) -> list[int]:
-        """Where the server finds (put) or puts (get) each value: in place, or in this thread's arena."""
+    def _arena(self, client: ServerClient) -> memoryview:
+        """This thread's NIXL arena, after the server has this agent's current metadata."""
         nixl = self.backend.nixl
         assert nixl is not None
         version, metadata = nixl.metadata()
         if version != self._meta_version:
             client.agent_meta(metadata)
             self._meta_version = version
-        arena, arena_addr = nixl.arena(self.index)
-        offset = 0
-        addrs = []
-        for view in views:
-            addr = nixl.locate(view)
-            if addr is None:
-                addr = arena_addr + offset
-                if copy_in:
-                    arena[offset : offset + len(view)] = view
-                offset += len(view)
-            addrs.append(addr)
-        return addrs
+        return nixl.arena(self.index)[0]
 
-    def _copy_out(self, views: list[memoryview], addrs: list[int], statuses: list[p.Status], sizes: list[int]) -> None:
-        nixl = self.backend.nixl
-        assert nixl is not None
-        arena, arena_addr = nixl.arena(self.index)
-        for view, addr, status, size in zip(views, addrs, statuses, sizes):
-            if status is p.Status.OK and arena_addr <= addr < arena_addr + len(arena) and view_address(view) != addr:
-                start = addr - arena_addr
-                view[:size] = arena[start : start + size]
+    def _placed(self, frames: list[tuple[memoryview, memoryview]]) -> tuple[list[int], list[int]]:
+        """Sizes and addresses of frames staged in this thread's arena (header, then chunk)."""
+        return [len(h) + len(b) for h, b in frames], [view_address(h) for h, _ in frames]
+
+
+def _batches(indices: list[int], sizes: list[int], max_keys: int, max_bytes: int) -> list[list[int]]:
+    """``indices`` cut into requests of at most ``max_keys`` keys and ``max_bytes`` value bytes."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, size in zip(indices, sizes):
+        if current and (len(current) == max_keys or total + size > max_bytes):
+            out.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += size
+    if current:
+        out.append(current)
+    return out

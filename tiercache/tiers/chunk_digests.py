@@ -1,9 +1,9 @@
 """The core's own integrity check, for lower tiers that do not verify what they return.
 
 Built-in lower tiers frame every chunk with :mod:`tiercache.integrity` and
-verify it on load (disk, LMDB, Redis: ``Backend.verifies_integrity``). The
-framing lives in each backend, so a plugin that skips it, or a medium that
-hands back other bytes with an "ok" (the cache server stores raw values),
+verify it on load (disk, LMDB, Redis, the cache server:
+``Backend.verifies_integrity``). The framing lives in each backend, so a
+plugin that skips it, or a medium that hands back other bytes with an "ok",
 would put wrong KV into vLLM's blocks with nothing to notice.
 
 For such tiers :class:`ChunkDigests` keeps the xxh3_64 of every chunk this
