@@ -8,8 +8,11 @@ shared server. The value is a compact frame of :mod:`tiercache.integrity`
 (header with namespace, key, payload length and xxh3_64 checksum, then the
 payload). Every load verifies the frame before one byte reaches the caller's
 buffer: a damaged, truncated or foreign value is a miss, counted in
-``stats()["checksum_failures"]``. With ``ttl_seconds`` every SET carries
-``EX``, so chunks nobody rewrites expire.
+``stats()["checksum_failures"]``. With a ``mac_key`` (option, or
+``TIERCACHE_MAC_KEY``) the checksum is a keyed MAC (:mod:`tiercache.mac`) and a
+load refuses every value not written with the same key, so another client
+of the Redis server, without the key, cannot poison this tier's chunks.
+With ``ttl_seconds`` every SET carries ``EX``, so chunks nobody rewrites expire.
 
 Cluster (``cluster: true``). redis-py's ``RedisCluster`` keeps the slot map.
 Keys carry no hash tag: the chunks of one sequence hash to different slots
@@ -103,12 +106,13 @@ import re
 import threading
 from collections.abc import Hashable, Sequence
 
-from tiercache import integrity
-from tiercache.backend import Backend, BackendContext, JobResult
 from tiercache.backends.redis.client import connect
 from tiercache.backends.redis.commands import KEY_TAG, Commands, redis_key
 from tiercache.backends.redis.link import Link, LinkState
 from tiercache.backends.redis.settings import RedisSettings
+
+from tiercache import integrity
+from tiercache.backend import Backend, BackendContext, JobResult
 from tiercache.buffers import as_key_bytes
 from tiercache.counters import Counters
 from tiercache.tiers.worker_lanes import BackendJob, JobDesk, Outcome, WorkerLanes
@@ -124,7 +128,7 @@ MAX_KEY_BYTES = 128
 _COUNTERS = (
     "puts", "gets", "put_failures", "get_failures", "checksum_failures", "delete_failures",
     "lookups", "lookup_failures", "server_errors", "connection_errors", "connect_attempts",
-    "reconnects",
+    "reconnects", "auth_failures",
 )
 #: The I/O lane's queues: gets and deletes first (a get is what a request waits for), then puts.
 _FIRST, _PUTS = 0, 1
@@ -137,7 +141,7 @@ class RedisBackend(Backend):
     name = "redis"
     settings_model = RedisSettings
     shared = True  # other engines write it too: looked up asynchronously, not owned
-    verifies_integrity = True  # compact frames, checked on every load
+    verifies_integrity = True  # compact frames (xxh3 or keyed MAC), checked on every load
 
     @classmethod
     def footprint(cls, chunk_bytes: int) -> int:

@@ -6,20 +6,29 @@ chunk's payload view goes from the caller's buffer to the socket without a
 copy (and is never kept past the send); :func:`close_client` closes one;
 ``TROUBLE`` tells a lost server from one failed command. How the tier uses
 them (I/O, buffers, failures) is told in :mod:`tiercache.backends.redis.backend`.
+
+Access: every connection authenticates through the tier's
+:class:`~tiercache.backends.redis.auth.Credentials` (when a user or password
+is configured) and, with TLS, wraps its socket in the client's one
+``SSLContext``, checking the certificate against ``server_name`` or the host
+it dials (the same for every node of a cluster). A connect that fails for
+credentials or TLS raises the words of :func:`~tiercache.backends.redis.auth.explain`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
-from urllib.parse import urlsplit
+import socket
+import ssl
+from typing import Any, ClassVar
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterError, RedisClusterException, RedisError
 from redis.retry import Retry
-
+from tiercache.backends.redis.auth import Credentials, explain, has_credentials, tls_context
 from tiercache.backends.redis.settings import RedisSettings, parse_host_port
 
 # The tier's one logger: its backend module's name, the name log configurations filter on.
@@ -105,19 +114,43 @@ class _FramingConnection(_FramingMixin, redis.Connection):
     pass
 
 
-class _FramingSSLConnection(_FramingMixin, redis.SSLConnection):
-    pass
-
-
 class _FramingUnixConnection(_FramingMixin, redis.UnixDomainSocketConnection):
     pass
 
 
-_CONNECTIONS: dict[str, type[Any]] = {
-    "redis": _FramingConnection,
-    "rediss": _FramingSSLConnection,
-    "unix": _FramingUnixConnection,
-}
+class _FramingTLSConnection(_FramingConnection):
+    """A framing connection over TLS: the TCP socket wrapped in the client's one context.
+
+    The context and the name to verify are class attributes of a subclass made
+    per client (:func:`_tls_connection_class`): redis-py's cluster hands its
+    nodes' pools only the keyword arguments it knows, but it does hand them
+    the connection class.
+    """
+
+    tls: ClassVar[ssl.SSLContext]
+    server_name: ClassVar[str | None] = None
+
+    def _connect(self) -> socket.socket:
+        sock = super()._connect()
+        try:  # the handshake runs under the socket timeout set by super()._connect()
+            return self.tls.wrap_socket(sock, server_hostname=self.server_name or self.host)
+        except BaseException:
+            sock.close()
+            raise
+
+
+def _tls_connection_class(context: ssl.SSLContext, server_name: str | None) -> type[Any]:
+    return type("_ClientTLSConnection", (_FramingTLSConnection,),
+                {"tls": context, "server_name": server_name})
+
+
+def _connection_class(settings: RedisSettings) -> type[Any]:
+    context = tls_context(settings)
+    if context is not None:
+        return _tls_connection_class(context, settings.server_name)
+    if urlsplit(settings.url).scheme == "unix":
+        return _FramingUnixConnection
+    return _FramingConnection
 
 
 def connect(settings: RedisSettings, client_name: str) -> Client:
@@ -125,7 +158,10 @@ def connect(settings: RedisSettings, client_name: str) -> Client:
 
     redis-py's own retries are off (one attempt, no sleep): this tier decides
     when to try again. Raises a RedisError, RedisClusterException or OSError
-    when the server is not there.
+    when the server is not there; credentials refused or TLS trouble raise
+    :class:`~tiercache.backends.redis.auth.RedisAuthError` or
+    :class:`~tiercache.backends.redis.auth.RedisTLSError`, whose words name the
+    user and the server, never the password.
     """
     common: dict[str, Any] = {
         "socket_timeout": settings.socket_timeout,
@@ -135,41 +171,55 @@ def connect(settings: RedisSettings, client_name: str) -> Client:
         "retry": Retry(NoBackoff(), 0),
         "client_name": client_name,
     }
-    url = urlsplit(settings.url)
-    username = settings.username or url.username
-    password = settings.password.get_secret_value() if settings.password else url.password
-    if username:
-        common["username"] = username
-    if password:
-        common["password"] = password
-    client = _cluster_client(settings, common) if settings.cluster else _client(settings, common)
+    if has_credentials(settings):
+        common["credential_provider"] = Credentials(settings)
+    client: Client | None = None
     try:
+        connection_class = _connection_class(settings)
+        client = (_cluster_client(settings, common, connection_class) if settings.cluster
+                  else _client(settings, common, connection_class))
         if isinstance(client, RedisCluster):
             client.ping(target_nodes=RedisCluster.PRIMARIES)
         else:
             client.ping()
+    except Exception as exc:
+        if client is not None:
+            close_client(client)
+        explained = explain(exc, settings)
+        if explained is exc:
+            raise
+        raise explained from None
     except BaseException:
-        close_client(client)
+        if client is not None:
+            close_client(client)
         raise
     return client
 
 
-def _client(settings: RedisSettings, common: dict[str, Any]) -> redis.Redis:
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.url,
-        connection_class=_CONNECTIONS[urlsplit(settings.url).scheme],
+def _client(settings: RedisSettings, common: dict[str, Any],
+            connection_class: type[Any]) -> redis.Redis:
+    url = urlsplit(settings.url)
+    where: dict[str, Any] = (
+        {"path": unquote(url.path)} if url.scheme == "unix"
+        else {"host": url.hostname or "127.0.0.1", "port": url.port or 6379}
+    )
+    pool = redis.BlockingConnectionPool(
+        connection_class=connection_class,
         timeout=settings.connect_timeout,  # waiting for a free connection
+        db=settings.database(),
+        **where,
         **common,
     )
     return redis.Redis(connection_pool=pool)
 
 
-def _cluster_client(settings: RedisSettings, common: dict[str, Any]) -> RedisCluster:
-    """A RedisCluster whose node connections are framing ones.
+def _cluster_client(settings: RedisSettings, common: dict[str, Any],
+                    connection_class: type[Any]) -> RedisCluster:
+    """A RedisCluster whose node connections are framing ones (over TLS if configured).
 
     redis-py hands ``connection_class`` to the nodes' connection pools only
     when the cluster is opened from a URL, so the first seed is given as one
-    (its port and host only: credentials travel in ``common``).
+    (its port and host only: credentials travel in ``common``, TLS in the class).
     """
     url = urlsplit(settings.url)
     seeds = [parse_host_port(node) for node in settings.nodes] or [
@@ -179,7 +229,7 @@ def _cluster_client(settings: RedisSettings, common: dict[str, Any]) -> RedisClu
     return RedisCluster(
         url=f"redis://{f'[{host}]' if ':' in host else host}:{port}/0",
         startup_nodes=[ClusterNode(h, p) for h, p in seeds[1:]],
-        connection_class=_FramingConnection,
+        connection_class=connection_class,
         require_full_coverage=True,
         **common,
     )

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
-
-from tiercache import integrity
-from tiercache.backend import BackendContext
 from tiercache.backends.redis.client import TROUBLE, Client, Framed
 from tiercache.backends.redis.link import Link
 from tiercache.backends.redis.settings import RedisSettings
+
+from tiercache import integrity
+from tiercache.backend import BackendContext
 from tiercache.counters import Counters
 from tiercache.tiers.worker_lanes import BackendJob, Outcome
 
@@ -33,6 +34,8 @@ logger = logging.getLogger(f"{__package__}.backend")
 KEY_TAG = b"tc:"
 #: Keys per pipeline round trip for the small commands (EXISTS, UNLINK).
 SMALL_BATCH = 1024
+#: Seconds between WARNING lines for one repeated error reply (the rest are DEBUG).
+ERROR_REPLY_LOG_S = 60.0
 
 _I = TypeVar("_I")
 
@@ -59,10 +62,12 @@ class Commands:
     ) -> None:
         self.settings = settings
         self._namespace = context.namespace
+        self._mac = integrity.MacKey.from_secret(settings.mac_key)  # None: xxh3 frames
         self._counters = counters
         self._link = link
         self._deleting = deleting
         self._storable = storable
+        self._last_error_reply = ("", 0.0)  # the last error reply logged at WARNING, and when
 
     def put(self, client: Client | None, job: BackendJob) -> Outcome:
         ok: list[bytes] = []
@@ -71,7 +76,7 @@ class Commands:
 
         def command(pair: tuple[bytes, memoryview]) -> tuple[Any, ...]:
             key, view = pair
-            header = integrity.frame_header(self._namespace, key, view)
+            header = integrity.frame_header(self._namespace, key, view, mac=self._mac)
             return ("SET", redis_key(key), Framed(header, view), *ex)
 
         pairs = list(zip(job.keys, job.views))
@@ -138,7 +143,7 @@ class Commands:
         if isinstance(reply, BaseException):
             return _Load.ERROR if self._reply_error(client, reply) else _Load.MISSING
         try:
-            payload = integrity.compact_payload(memoryview(reply), self._namespace, key)
+            payload = integrity.compact_payload(memoryview(reply), self._namespace, key, mac=self._mac)
         except integrity.IntegrityError as exc:
             logger.warning("redis tier: dropping chunk %s: %s", key.hex(), exc)
             return _Load.CORRUPT
@@ -175,7 +180,13 @@ class Commands:
             if client is not None:
                 self._link.trouble(client, error)
             return 0
-        logger.warning("redis tier: error reply: %s", error)
+        # The same refusal of every key (NOPERM, OOM): one WARNING a minute, the rest DEBUG.
+        text, now = str(error), time.monotonic()
+        last_text, last_at = self._last_error_reply  # a race between lanes: one more line at most
+        repeat = text == last_text and now - last_at < ERROR_REPLY_LOG_S
+        if not repeat:
+            self._last_error_reply = (text, now)
+        (logger.debug if repeat else logger.warning)("redis tier: error reply: %s", text)
         return 1
 
 

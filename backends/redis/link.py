@@ -6,6 +6,17 @@ replaces it after an outage, so callers only ever ask it for the live client
 :class:`~tiercache.tiers.worker_lanes.WorkerLanes`. The threading and failure
 contracts are told in :mod:`tiercache.backends.redis.backend` (Threads,
 Failures), whose :class:`RedisBackend` drives them.
+
+Credentials and TLS. An attempt refused for its credentials or its TLS
+(:class:`~tiercache.backends.redis.auth.RedisAuthError`,
+:class:`~tiercache.backends.redis.auth.RedisTLSError`) is logged at ERROR, in
+words naming the user and the server and never the password: at start-up, and
+again whenever it follows a success or another kind of failure (a password
+rotated or a user disabled at run time); repeats are DEBUG. The tier stays
+down meanwhile (every job a miss: the engine recomputes) and keeps trying with
+backoff, so it comes back by itself once the server's ACL or the
+``password_file`` is put right. Such attempts also count in ``auth_failures``
+where the backend's counter set names it.
 """
 
 from __future__ import annotations
@@ -19,8 +30,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisClusterException, RedisError
-
+from tiercache.backends.redis.auth import RedisAuthError, RedisTLSError
 from tiercache.backends.redis.client import Client, close_client
+
 from tiercache.counters import Counters
 
 if TYPE_CHECKING:
@@ -59,6 +71,8 @@ class Link:
         self._backoff = settings.reconnect_initial_s
         self._ever_up = False
         self._closing = False
+        self._failed_with: type[BaseException] | None = None  # the last attempt's error type
+        self._counts_auth = "auth_failures" in counters.snapshot()
         self._thread = threading.Thread(target=self._serve, name=f"{name}-reconnect", daemon=True)
         self._thread.start()
 
@@ -133,6 +147,7 @@ class Link:
         with self._cond:
             old, self._client = self._client, client
             self._state = LinkState.UP
+            self._failed_with = None
             self._backoff = self._settings.reconnect_initial_s
             again, self._ever_up = self._ever_up, True
             self._cond.notify_all()
@@ -143,6 +158,7 @@ class Link:
             close_client(old)
 
     def _attempt_failed(self, exc: BaseException) -> None:
+        refused = isinstance(exc, (RedisAuthError, RedisTLSError))
         with self._cond:
             first = self._state is LinkState.STARTING
             if not first:  # waits: initial, 2x initial, 4x initial, ... up to the maximum
@@ -150,7 +166,15 @@ class Link:
             self._state = LinkState.DOWN
             wait = self._jittered(self._backoff)
             self._retry_at = time.monotonic() + wait
+            news, self._failed_with = self._failed_with is not type(exc), type(exc)
             self._cond.notify_all()
+        if refused and self._counts_auth:
+            self._counters.add(auth_failures=1)
+        if refused:  # a configuration to fix, not an outage to wait out: say it loudly, once
+            log = logger.error if first or news else logger.debug
+            log("redis tier %s: %s; every job misses until this is fixed (next attempt in %.2fs)",
+                self._name, exc, wait)
+            return
         log = logger.warning if first else logger.debug
         log("redis tier %s: cannot connect (%s: %s); next attempt in %.2fs",
             self._name, type(exc).__name__, exc, wait)

@@ -7,6 +7,14 @@ connections but never answers). :class:`RedisClusterNodes` runs three of them
 with ``--cluster-enabled yes``, joins them with ``redis-cli --cluster create``
 (three masters, no replicas) and waits for ``cluster_state:ok``.
 
+Access (:class:`Access`, optional for both): ``password`` is the default
+user's ``requirepass`` (and the cluster's ``masterauth``), ``users`` adds ACL
+users (``--user NAME RULES...`` on the command line), ``tls`` (certificates of
+tests/integration/tls_certs.py) makes the server listen for TLS only
+(``--port 0 --tls-port PORT``; the cluster bus too), asking clients for a
+certificate when ``tls_auth_clients``. The harness's own clients (start-up
+probe, :meth:`RedisServer.client`, redis-cli) log in as the default user.
+
 Ports are chosen at random in 12000-22767 and checked free on 127.0.0.1, the
 cluster bus port (port + 10000) too, so every port stays below the kernel's
 ephemeral range; a server that loses a race for its port is started again on
@@ -26,6 +34,8 @@ Threads: none; everything runs on the test's thread.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import pathlib
 import random
 import shutil
@@ -38,6 +48,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import redis
 
+from tests.integration.tls_certs import CertFiles
 from tiercache.backend import Backend, JobResult
 from tiercache.testing.conformance import SENTINEL, make_payload, wait_for_jobs
 
@@ -81,20 +92,73 @@ def pick_port(rng: random.Random | None = None) -> int:
     raise RuntimeError(f"no free port pair in {PORT_RANGE}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who may talk to a server, and how (see the module docstring)."""
+
+    password: str | None = None  # requirepass: the default user's password
+    users: tuple[tuple[str, ...], ...] = ()  # ACL users: (name, rule, rule, ...)
+    tls: CertFiles | None = None  # TLS only, with these certificates
+    tls_auth_clients: bool = False  # TLS: clients must show a certificate of the CA
+
+    def server_args(self, cluster: bool = False) -> list[str]:
+        args: list[str] = []
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+            if cluster:
+                args += ["--masterauth", self.password]
+        for user in self.users:
+            args += ["--user", *user]
+        if self.tls is not None:
+            args += [
+                "--tls-cert-file", str(self.tls.server_cert),
+                "--tls-key-file", str(self.tls.server_key),
+                "--tls-ca-cert-file", str(self.tls.ca),
+                "--tls-auth-clients", "yes" if self.tls_auth_clients else "no",
+            ]
+            if cluster:
+                args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
+        return args
+
+    def client_kwargs(self) -> dict[str, object]:
+        """redis-py keywords for the harness's admin client (the default user)."""
+        kwargs: dict[str, object] = {}
+        if self.password is not None:
+            kwargs["password"] = self.password
+        if self.tls is not None:
+            kwargs.update(ssl=True, ssl_ca_certs=str(self.tls.ca))
+            if self.tls_auth_clients:
+                kwargs.update(ssl_certfile=str(self.tls.client_cert),
+                              ssl_keyfile=str(self.tls.client_key))
+        return kwargs
+
+    def cli_args(self) -> list[str]:
+        """redis-cli options for the same (the password goes through REDISCLI_AUTH)."""
+        if self.tls is None:
+            return []
+        args = ["--tls", "--cacert", str(self.tls.ca)]
+        if self.tls_auth_clients:
+            args += ["--cert", str(self.tls.client_cert), "--key", str(self.tls.client_key)]
+        return args
+
+
 class RedisServer:
     """One redis-server process on a loopback port; see the module docstring."""
 
-    def __init__(self, directory: pathlib.Path, args: Sequence[str] = ()) -> None:
+    def __init__(self, directory: pathlib.Path, args: Sequence[str] = (),
+                 access: Access | None = None, cluster: bool = False) -> None:
         self.server_bin, _ = require_redis()
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.args = list(args)
+        self.access = access or Access()
+        self.args = [*args, *self.access.server_args(cluster)]
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        scheme = "redis" if self.access.tls is None else "rediss"
+        return f"{scheme}://{LOOPBACK}:{self.port}/0"
 
     @property
     def address(self) -> str:
@@ -105,8 +169,9 @@ class RedisServer:
         return self.proc is not None and self.proc.poll() is None
 
     def client(self, **kwargs: object) -> redis.Redis:
-        """A plain redis-py client of this server (behind the tier's back)."""
-        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=5, **kwargs)
+        """A plain redis-py client of this server (behind the tier's back), as its admin."""
+        options = {"socket_timeout": 5, **self.access.client_kwargs(), **kwargs}
+        return redis.Redis(host=LOOPBACK, port=self.port, **options)
 
     def start(self) -> RedisServer:
         """Start on a fresh port (another one if the chosen port is taken meanwhile)."""
@@ -159,8 +224,10 @@ class RedisServer:
         return self.directory / f"redis-{self.port}.log"
 
     def _command(self) -> list[str]:
+        ports = (["--port", str(self.port)] if self.access.tls is None
+                 else ["--port", "0", "--tls-port", str(self.port)])
         return [
-            self.server_bin, "--port", str(self.port), "--bind", LOOPBACK,
+            self.server_bin, *ports, "--bind", LOOPBACK,
             "--save", "", "--appendonly", "no", "--daemonize", "no",
             "--dir", str(self.directory), "--logfile", str(self.log), *self.args,
         ]
@@ -169,8 +236,7 @@ class RedisServer:
         """Start the process and wait until it answers PING; False if it exited (port taken)."""
         self.proc = subprocess.Popen(self._command(), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        probe = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=1,
-                            socket_connect_timeout=1)
+        probe = self.client(socket_timeout=1, socket_connect_timeout=1)
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             while time.monotonic() < deadline:
@@ -191,10 +257,13 @@ class RedisServer:
 class RedisClusterNodes:
     """Three redis-server masters joined into one Redis Cluster (no replicas)."""
 
-    def __init__(self, directory: pathlib.Path, masters: int = 3) -> None:
+    def __init__(self, directory: pathlib.Path, masters: int = 3,
+                 access: Access | None = None) -> None:
         _, self.cli_bin = require_redis()
+        self.access = access or Access()
         self.servers = [
-            RedisServer(directory / f"node{i}", args=self._cluster_args(directory / f"node{i}"))
+            RedisServer(directory / f"node{i}", args=self._cluster_args(directory / f"node{i}"),
+                        access=self.access, cluster=True)
             for i in range(masters)
         ]
 
@@ -223,8 +292,11 @@ class RedisClusterNodes:
 
     def cli(self, *args: str, timeout: float = 60.0) -> str:
         """Run redis-cli with ``args``; its output; RuntimeError with the output if it fails."""
-        proc = subprocess.run([self.cli_bin, *args], capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        env = dict(os.environ)
+        if self.access.password is not None:
+            env["REDISCLI_AUTH"] = self.access.password
+        proc = subprocess.run([self.cli_bin, *self.access.cli_args(), *args], capture_output=True,
+                              text=True, timeout=timeout, check=False, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"redis-cli {' '.join(args)}: {proc.stdout}\n{proc.stderr}")
         return proc.stdout
