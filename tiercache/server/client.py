@@ -103,8 +103,10 @@ class ServerClient:
             return True
         if stream.has_pending():
             return True
-        try:
-            return bool(select.select([stream.sock], [], [], 0)[0])
+        try:  # poll, not select: a process may hold more than FD_SETSIZE sockets
+            poller = select.poll()
+            poller.register(stream.sock, select.POLLIN)
+            return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
 
