@@ -31,10 +31,13 @@ Data path: TCP, or NIXL when ``data_path`` allows it, nixl imports here and
 the server offers it. Over TCP a frame's header and the engine's view travel
 as two pieces of one value, both ways (no copy). With NIXL the server READs a
 put's values from, and WRITEs a get's values into, memory registered with
-this client's agent: the I/O thread's arena of a registered staging area,
-where each frame is staged whole (header and chunk must be contiguous for
-the server; one copy each way; a part then holds at most one arena of
-frames). The agent has no progress thread (NIXL's spins a core): the I/O
+this client's agent; each frame's header travels in the PUT_REMOTE body
+and comes back in the GET_REMOTE reply body, and only the chunk moves by
+NIXL: straight from or into the engine's view when it lies in a buffer
+registered with :meth:`ServerBackend.register_buffer` (zero copy), else
+through the I/O thread's arena of a registered staging area (one copy each
+way, counted in ``stats()["nixl_staged_bytes"]``; a part then holds at most
+one arena of such chunks). The agent has no progress thread (NIXL's spins a core): the I/O
 thread waiting for a NIXL reply drives it, sleeping in ``select`` between
 rounds.
 
@@ -71,7 +74,7 @@ from tiercache.backends.server.settings import ServerSettings
 from tiercache.backends.server.worker import Call, Part, ServerJob, Worker
 
 from tiercache.backend import Backend, BackendContext, JobResult
-from tiercache.integrity import MacKey, compact_header_len, round_up
+from tiercache.integrity import MacKey
 from tiercache.server import protocol as p
 from tiercache.server.client import ServerClient
 from tiercache.server.nixl_client import NixlClientSide
@@ -87,6 +90,7 @@ MAX_REFUSED_KEYS = 65536  # refused chunks remembered for replacement (oldest fo
 _COUNTERS = (
     "puts", "put_failures", "gets", "get_failures", "misses", "checksum_failures",
     "request_errors", "connects", "connect_failures", "fast_failures", "server_closed", "replaced",
+    "nixl_staged_bytes",  # chunk bytes copied through an arena (views outside registered memory)
 )
 
 
@@ -114,10 +118,8 @@ class ServerBackend(Backend):
         self.nixl: NixlClientSide | None = None
         if settings.data_path != "tcp":
             try:
-                # room for a frame header per arena: a chunk as large as an arena still fits
-                header = round_up(compact_header_len(p.MAX_KEY_BYTES_CAP))
-                staging = settings.nixl_staging_bytes + settings.connections * header
-                self.nixl = NixlClientSide(staging, settings.connections)
+                # frame headers travel in the message bodies: the arenas hold chunks only
+                self.nixl = NixlClientSide(settings.nixl_staging_bytes, settings.connections)
             except Exception:
                 level = logging.WARNING if settings.data_path == "nixl" else logging.DEBUG
                 logger.log(level, "server tier %s: no NIXL here; TCP data path", context.tier_name,
@@ -186,8 +188,8 @@ class ServerBackend(Backend):
     def register_buffer(self, buffer: memoryview) -> bool:
         """Register a long-lived host buffer with the NIXL agent; False without NIXL.
 
-        Frames are staged whole through the arenas (see the module docstring), so
-        this saves no copy today; it is kept for callers that register their slab.
+        Chunks inside it then move by NIXL in place, zero copy (see the module docstring).
+        The buffer must outlive this backend.
         """
         if self.nixl is None:
             return False
@@ -243,8 +245,8 @@ class ServerBackend(Backend):
             self.requests.put(part)
 
     def _split(self, job: ServerJob, indices: list[int]) -> list[Part]:
-        """Parts of at most max_batch_keys keys and max_batch_bytes bytes; with NIXL, the frames
-        (staged through an arena) also fit one arena per part."""
+        """Parts of at most max_batch_keys keys and max_batch_bytes bytes; with NIXL, the chunks
+        outside registered memory (staged through an arena) also fit one arena per part."""
         max_keys = self.settings.max_batch_keys
         max_bytes = self.settings.max_batch_bytes
         nixl = self.nixl
@@ -254,7 +256,7 @@ class ServerBackend(Backend):
         size = staged = 0
         for i in indices:
             n = len(job.views[i])
-            s = Framer.framed_bytes(job.keys[i], job.views[i]) if nixl is not None else 0
+            s = n if nixl is not None and nixl.locate(job.views[i]) is None else 0
             if current and (len(current) == max_keys or size + n > max_bytes or (s and staged + s > arena)):
                 parts.append(Part(job, current))
                 current, size, staged = [], 0, 0

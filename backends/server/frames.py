@@ -17,10 +17,16 @@ Data path, per value:
   once its frame verified, and a view that received a failed frame is zeroed
   before the job is reported (the engine never reads a view before its
   JobResult, and a failed key's view not at all);
-* NIXL: the server READs or WRITEs one contiguous value, so the whole frame
-  is staged in the I/O thread's arena (:meth:`Framer.stage`; one copy each
-  way), and a loaded frame is verified in the arena before its chunk is
-  copied to the view: no unverified byte reaches the view.
+* NIXL: the header travels in the PUT_REMOTE body (the server writes it at
+  the start of the slot) and comes back in the GET_REMOTE reply body
+  (:meth:`Framer.head_lens` asks for it); only the chunk moves by NIXL,
+  straight from or into the engine's view when it lies in memory registered
+  with the agent (``ServerBackend.register_buffer``: zero copy), else through
+  the I/O thread's arena (:meth:`Framer.place`; one copy each way). A chunk
+  the server wrote into a view counts as loaded only once header + chunk
+  verified; a view that received a failed frame is zeroed before the job is
+  reported. A staged chunk is verified in the arena before it is copied to the
+  view.
 
 A frame that does not verify (damaged, truncated, another key's, not
 authenticated by this tier's key) is a failed key, counted by the caller in
@@ -35,7 +41,7 @@ reference to a caller's view.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -44,9 +50,9 @@ from tiercache.integrity import (
     MacKey,
     compact_header_len,
     frame_header,
-    pack_header,
     verify_frame,
 )
+from tiercache.server.nixl_client import view_address
 
 # The tier's one logger: its backend module's name, the name log configurations filter on.
 logger = logging.getLogger(f"{__package__}.backend")
@@ -82,26 +88,38 @@ class Framer:
         return [(memoryview(bytearray(compact_header_len(len(k)))), v) for k, v in zip(keys, views)]
 
     # ------------------------------------------------------------------ NIXL
-    def stage(
-        self, arena: memoryview, keys: Sequence[bytes], views: Sequence[memoryview], copy_in: bool
-    ) -> list[tuple[memoryview, memoryview]]:
-        """Lay each key's frame out in ``arena``, one after another; each frame's (header, chunk).
+    @staticmethod
+    def head_lens(keys: Sequence[bytes]) -> list[int]:
+        """Bytes of each key's frame header (what a NIXL get asks back in the reply body)."""
+        return [compact_header_len(len(k)) for k in keys]
 
-        ``copy_in`` (a put): copy each view into its place and write its header
-        there, checksumming the staged bytes (what the server will read). The
-        frames must fit (the caller sized the request by :meth:`framed_bytes`).
+    @staticmethod
+    def place(
+        arena: memoryview, views: Sequence[memoryview], locate: Callable[[memoryview], int | None],
+    ) -> tuple[list[memoryview], list[int]]:
+        """Where each chunk moves by NIXL, and its address: the view itself when ``locate`` finds it
+        in registered memory (zero copy), else the next free bytes of ``arena`` (the caller copies).
+
+        The unlocated chunks must fit the arena (the caller sized the request: :meth:`staged_bytes`).
         """
-        out = []
+        targets, addrs = [], []
         offset = 0
-        for key, view in zip(keys, views):
-            start, mid = offset, offset + compact_header_len(len(key))
-            offset = mid + len(view)
-            head, body = arena[start:mid], arena[mid:offset]
-            if copy_in:
-                _copy(body, view)
-                pack_header(head, self.namespace, key, body, mac=self.mac)
-            out.append((head, body))
-        return out
+        for view in views:
+            addr = locate(view)
+            if addr is None:
+                target = arena[offset : offset + len(view)]
+                offset += len(view)
+                addr = view_address(target)
+            else:
+                target = view
+            targets.append(target)
+            addrs.append(addr)
+        return targets, addrs
+
+    @staticmethod
+    def staged_bytes(views: Sequence[memoryview], locate: Callable[[memoryview], int | None]) -> int:
+        """Bytes of ``views`` that :meth:`place` would put in the arena (outside registered memory)."""
+        return sum(len(v) for v in views if locate(v) is None)
 
     # ------------------------------------------------------------------ loads
     def verified(self, key: bytes, head: memoryview, body: memoryview, size: int) -> bool:
@@ -120,9 +138,9 @@ class Framer:
         return False
 
     @staticmethod
-    def deliver(body: memoryview, view: memoryview) -> None:
-        """Copy a verified chunk staged in an arena into the caller's view."""
-        _copy(view, body)
+    def copy(dst: memoryview, src: memoryview) -> None:
+        """Copy a chunk into the arena (a put) or a verified staged chunk into the caller's view."""
+        _copy(dst, src)
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:

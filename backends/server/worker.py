@@ -9,9 +9,11 @@ and always reported to :meth:`ServerBackend.part_done
 synchronous :class:`Call` (its result handed to the waiting caller's future).
 The thread reads a put's views and writes a get's views only while it runs
 their part; every value is a frame (:mod:`.frames`: built on put, verified on
-get before the key counts as loaded); the arena it stages NIXL frames through
-is its own (index ``index`` of the backend's
-:class:`~tiercache.server.nixl_client.NixlClientSide`).
+get before the key counts as loaded); over NIXL a chunk in registered memory
+moves in place and any other through the arena that is this thread's own
+(index ``index`` of the backend's
+:class:`~tiercache.server.nixl_client.NixlClientSide`), the frame header
+always in the message body (``nixl_staged_bytes`` counts the arena copies).
 
 These threads are not :class:`~tiercache.tiers.worker_lanes.WorkerLanes`:
 each keeps its own connection and backoff state, and the backend's ``close``
@@ -36,7 +38,7 @@ from tiercache import faults
 from tiercache.backend import BackendContext
 from tiercache.server import protocol as p
 from tiercache.server.client import ServerClient
-from tiercache.server.nixl_client import NixlClientSide, view_address
+from tiercache.server.nixl_client import NixlClientSide
 from tiercache.tiers.worker_lanes import PartedJob
 
 # The tier's one logger: its backend module's name, the name log configurations filter on.
@@ -201,22 +203,33 @@ class Worker:
         return ok
 
     def _use_nixl(self, keys: list[bytes], views: list[memoryview]) -> bool:
-        """NIXL for this request: the connection has it and the staged frames fit the arena."""
+        """NIXL for this request: the connection has it, the chunks outside registered memory fit
+        the arena, and the heads fit the server's body limit."""
         nixl = self.backend.nixl
         if not self.nixl_active or nixl is None:
             return False
-        return sum(map(Framer.framed_bytes, keys, views)) <= nixl.arena_bytes
+        welcome = self.client.welcome
+        body = sum(len(k) + h + 24 for k, h in zip(keys, Framer.head_lens(keys))) + 64
+        if welcome is not None and body > welcome.max_body_bytes:
+            return False
+        return Framer.staged_bytes(views, nixl.locate) <= nixl.arena_bytes
 
     def _put(self, client: ServerClient, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         # A chunk whose stored copy failed our check is replaced by this store whatever the
         # overwrite policy (else a damaged or forged chunk stays a miss until evicted).
         overwrite = self.backend.settings.overwrite or self.backend.take_refused(keys)
         framer = self.backend.framer
+        values = framer.put_values(keys, views)
         if not self._use_nixl(keys, views):
-            return [s in p.OK_PUT for s in client.put(keys, framer.put_values(keys, views), overwrite)]
-        frames = framer.stage(self._arena(client), keys, views, copy_in=True)
-        sizes, addrs = self._placed(frames)
-        return [s in p.OK_PUT for s in client.put_remote(keys, sizes, addrs, overwrite)]
+            return [s in p.OK_PUT for s in client.put(keys, values, overwrite)]
+        targets, addrs = self._place(client, views)
+        for target, view in zip(targets, views):
+            if target is not view:  # outside registered memory: staged in the arena
+                framer.copy(target, view)
+                self.backend.count("nixl_staged_bytes", len(view))
+        heads = [head for head, _ in values]
+        sizes = [len(head) + len(view) for head, view in values]
+        return [s in p.OK_PUT for s in client.put_remote(keys, sizes, addrs, overwrite, heads)]
 
     def _get(self, client: ServerClient, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         framer = self.backend.framer
@@ -224,19 +237,29 @@ class Worker:
             frames = framer.get_values(keys, views)
             statuses, sizes = client.get(keys, frames)
         else:
-            frames = framer.stage(self._arena(client), keys, views, copy_in=False)
-            statuses, sizes = client.get_remote(keys, *self._placed(frames))
+            targets, addrs = self._place(client, views)
+            head_lens = Framer.head_lens(keys)
+            capacities = [h + len(v) for h, v in zip(head_lens, views)]
+            try:
+                statuses, sizes, heads = client.get_remote_heads(keys, capacities, addrs, head_lens)
+            except BaseException:  # the server may have written into the views: leave nothing
+                for target, view in zip(targets, views):
+                    if target is view:
+                        view[:] = bytes(len(view))
+                raise
+            frames = [(memoryview(h), t) for h, t in zip(heads, targets)]
         ok: list[bool] = []
         refused: list[bytes] = []
         for key, view, (head, body), status, size in zip(keys, views, frames, statuses, sizes):
             good = status is p.Status.OK and framer.verified(key, head, body, size)
             if good and body is not view:
-                framer.deliver(body, view)
-            elif status is p.Status.OK and not good:
+                framer.copy(view, body)  # verified in the arena, then delivered
+                self.backend.count("nixl_staged_bytes", len(view))
+            elif not good and body is view and status in (p.Status.OK, p.Status.FAILED):
+                view[:] = bytes(len(view))  # received (maybe in part), then refused: leave nothing of it
+            if status is p.Status.OK and not good:
                 self.backend.count("checksum_failures")
                 refused.append(key)
-                if body is view:
-                    view[:] = bytes(len(view))  # received, then refused: leave nothing of it
             if status is p.Status.MISS:
                 self.backend.count("misses")
             ok.append(good)
@@ -244,19 +267,16 @@ class Worker:
             self.backend.note_refused(refused)
         return ok
 
-    def _arena(self, client: ServerClient) -> memoryview:
-        """This thread's NIXL arena, after the server has this agent's current metadata."""
+    def _place(self, client: ServerClient, views: list[memoryview]) -> tuple[list[memoryview], list[int]]:
+        """Where each chunk moves by NIXL (its view in place, or this thread's arena) and its address,
+        after the server has this agent's current metadata (a buffer registered since)."""
         nixl = self.backend.nixl
         assert nixl is not None
         version, metadata = nixl.metadata()
         if version != self._meta_version:
             client.agent_meta(metadata)
             self._meta_version = version
-        return nixl.arena(self.index)[0]
-
-    def _placed(self, frames: list[tuple[memoryview, memoryview]]) -> tuple[list[int], list[int]]:
-        """Sizes and addresses of frames staged in this thread's arena (header, then chunk)."""
-        return [len(h) + len(b) for h, b in frames], [view_address(h) for h, _ in frames]
+        return Framer.place(nixl.arena(self.index)[0], views, nixl.locate)
 
 
 def _batches(indices: list[int], sizes: list[int], max_keys: int, max_bytes: int) -> list[list[int]]:

@@ -303,6 +303,9 @@ KNOWN = [b"known-%02d" % i for i in range(8)]  # stored by the good client: tran
 key_st = st.one_of(st.sampled_from(KNOWN), st.binary(min_size=1, max_size=100))
 addr_st = st.one_of(st.integers(0, (1 << 63) - 1), st.sampled_from([0, 1, 4096, (1 << 47) - 4096]))
 size_st = st.one_of(st.integers(0, 1 << 40), st.sampled_from([0, 1, 64, 4096, 4097]))
+# a value's head carried in the NIXL bodies: up to past the static cap (refused by decoding)
+head_len_st = st.one_of(st.integers(0, p.MAX_HEAD_BYTES + 1), st.sampled_from([0, 1, 64, 4096, 1 << 40]))
+head_st = st.one_of(st.binary(max_size=80), st.sampled_from([b"h" * 4097, b"h" * (p.MAX_HEAD_BYTES + 1)]))
 keys_list_st = st.one_of(st.lists(st.sampled_from(KNOWN), min_size=1, max_size=8),  # held: served or moved
                          st.lists(key_st, max_size=70))  # anything, past max_keys (64) too
 
@@ -320,13 +323,20 @@ def adversarial_requests(draw: st.DrawFn, kinds: tuple[str, ...] = KINDS) -> byt
     keys = draw(keys_list_st)
     n = len(keys)
     kind = draw(st.sampled_from(kinds))
-    if kind == "get_remote":
+    if kind == "get_remote":  # head lengths past the value, the slot and the cap; lists of other lengths
+        mode = draw(st.integers(0, 5))  # most without head_lens: they reach NIXL
+        head_lens = ([] if mode < 4 else draw(st.lists(head_len_st, min_size=n, max_size=n)) if mode == 4
+                     else draw(st.lists(head_len_st, max_size=70)))
         return _request(p.MsgType.GET_REMOTE, p.GetRemote(keys, draw(st.lists(size_st, min_size=n, max_size=n)),
-                                                          draw(st.lists(addr_st, min_size=n, max_size=n))))
-    if kind == "put_remote":
+                                                          draw(st.lists(addr_st, min_size=n, max_size=n)),
+                                                          head_lens))
+    if kind == "put_remote":  # heads longer than their values (or than the cap), lists of other lengths
+        mode = draw(st.integers(0, 5))  # most without heads: they reach NIXL
+        heads = ([] if mode < 4 else draw(st.lists(head_st, min_size=n, max_size=n)) if mode == 4
+                 else draw(st.lists(head_st, max_size=70)))
         return _request(p.MsgType.PUT_REMOTE, p.PutRemote(keys, draw(st.lists(size_st, min_size=n, max_size=n)),
                                                           draw(st.lists(addr_st, min_size=n, max_size=n)),
-                                                          draw(st.booleans())))
+                                                          draw(st.booleans()), heads))
     if kind == "agent_meta":
         return _request(p.MsgType.AGENT_META, p.AgentMeta(draw(st.binary(max_size=2048))))
     if kind == "get":  # capacities up to a TiB: the payload bound decides before anything is pinned
@@ -507,7 +517,59 @@ def _check_on_nixl_server(nixl_server: tuple[ServerProcess, object], request: by
         for frame_ in frames[1:]:
             if frame_.header.type in (p.reply_type(p.MsgType.GET_REMOTE), p.reply_type(p.MsgType.PUT_REMOTE)):
                 # nothing the client did not register was read or written (a random address
-                # lands in its 1 MiB of registered memory with odds of 2**-43): no key is OK
-                assert p.Status.OK not in frame_.body.status  # type: ignore[union-attr]
+                # lands in its 1 MiB of registered memory with odds of 2**-43): a key is OK only
+                # when its head (in the body) was the whole value and NIXL had nothing to move
+                for i in _ok_keys(frame_.body.status):  # type: ignore[union-attr]
+                    assert _moved_nothing(request, frame_.body, i), (frame_.body, i)
         _good_round_trip(good, request[:16].hex().encode())
 
+
+
+def _ok_keys(status: list[int]) -> list[int]:
+    return [i for i, st_ in enumerate(status) if st_ == p.Status.OK]
+
+
+def _moved_nothing(request: bytes, reply: p._Body, i: int) -> bool:
+    """Whether key ``i`` of an OK NIXL reply was all head (in the body), nothing left for NIXL."""
+    if isinstance(reply, p.GetReply):
+        return len(reply.heads) > i and len(reply.heads[i]) == reply.sizes[i]
+    wide = p.Limits(max_body_bytes=1 << 24, max_payload_bytes=1 << 30, max_keys=p.MAX_KEYS_CAP,
+                    max_key_bytes=p.MAX_KEY_BYTES_CAP, max_value_bytes=1 << 40)
+    body = next(iter(p.FrameDecoder(wide).feed(request))).body
+    assert isinstance(body, p.PutRemote)
+    return len(body.heads) > i and len(body.heads[i]) == body.sizes[i]
+
+
+def test_nixl_server_bounds_the_heads(nixl_server: tuple[ServerProcess, object]) -> None:
+    """Heads of PUT_REMOTE/GET_REMOTE: longer than the value, past the cap, or one list longer than
+    the keys - refused by type; a head asked past the stored value is cut at it (nothing read past)."""
+    from tiercache.server.nixl_client import NixlClientSide
+
+    server = nixl_server[0]
+    side = NixlClientSide(1 << 20, 1)  # an agent of its own: the fuzz above may have had the fixture's refused
+    _, real = side.metadata()
+    hello = _hello_with_metadata(real, side.agent_name)
+    key = KNOWN[0]
+    bad = {
+        "head longer than its value": _request(p.MsgType.PUT_REMOTE, p.PutRemote([key], [4], [0], True, [b"12345"])),
+        "more heads than keys": _request(p.MsgType.PUT_REMOTE, p.PutRemote([key], [8], [0], True, [b"1", b"2"])),
+        "head past the cap": _request(p.MsgType.PUT_REMOTE,
+                                      p.PutRemote([key], [8192], [0], True, [b"h" * (p.MAX_HEAD_BYTES + 1)])),
+        "fewer head_lens than keys": _request(p.MsgType.GET_REMOTE, p.GetRemote([key, KNOWN[1]], [64, 64], [0, 0],
+                                                                                [64])),
+        "head_len past the cap": _request(p.MsgType.GET_REMOTE, p.GetRemote([key], [64], [0],
+                                                                            [p.MAX_HEAD_BYTES + 1])),
+    }
+    with ServerClient(server.address, token=TOKEN, client_name="good") as good:
+        good.put(KNOWN, [b"k" * 64] * len(KNOWN), overwrite=True)
+        for name, request in bad.items():
+            frames = _assert_typed_replies(_send_and_collect(("127.0.0.1", server.port), hello + request))
+            assert frames[-1].header.type == p.MsgType.ERROR, name
+            assert frames[-1].body.code == p.MalformedBody.code, (name, frames[-1].body)  # type: ignore[union-attr]
+        # a head asked far past the 64-byte value (and the slot's 4 KiB): the value, and no transfer
+        asked = _request(p.MsgType.GET_REMOTE, p.GetRemote([key], [1 << 20], [0], [p.MAX_HEAD_BYTES]))
+        frames = _assert_typed_replies(_send_and_collect(("127.0.0.1", server.port), hello + asked))
+        assert frames[0].body.nixl  # type: ignore[union-attr]
+        assert frames[-1].body == p.GetReply([int(p.Status.OK)], [64], [b"k" * 64])
+        _good_round_trip(good, b"heads")
+    side.close()

@@ -396,7 +396,10 @@ def test_client_tier_survives_a_dead_server(tmp_path: pathlib.Path) -> None:
             backend.submit_get(100, keys, [memoryview(bytearray(CHUNK)) for _ in keys])
             result = wait_for_jobs(backend, [100])[100]
             assert result.failed_keys == tuple(keys)
-            assert backend.stats()["request_errors"] >= 1
+            stats = backend.stats()
+            # noticed either mid-request, or (a connection the server closed is checked before
+            # each request) as a closed connection whose reconnect then fails
+            assert stats["request_errors"] >= 1 or (stats["server_closed"] >= 1 and stats["connect_failures"] >= 2)
         finally:
             proc.kill()
     finally:

@@ -10,7 +10,8 @@ GET values are received straight into the caller's views; a view a failed
 request may have written into is zeroed before the error propagates. A value
 may be given as a tuple of pieces (the client tier's frame header, then the
 chunk's view): a PUT sends them as one value, a GET scatters the value over
-them in order.
+them in order. Over NIXL (PUT_REMOTE/GET_REMOTE) a value's head may travel
+in the request or reply body and only the rest by NIXL.
 
 Errors: ``OSError`` (the network, timeouts), :class:`~tiercache.server.protocol.ProtocolError`
 (a reply this side cannot trust) and :class:`~tiercache.server.protocol.RemoteError`
@@ -158,9 +159,12 @@ class ServerClient:
         return _statuses(reply.status, len(keys))
 
     def put_remote(
-        self, keys: Sequence[bytes], sizes: Sequence[int], addrs: Sequence[int], overwrite: bool = False
+        self, keys: Sequence[bytes], sizes: Sequence[int], addrs: Sequence[int], overwrite: bool = False,
+        heads: Sequence[bytes] = (),
     ) -> list[p.Status]:
-        body = p.PutRemote(list(keys), list(sizes), list(addrs), overwrite)
+        """The server READs value ``i`` from ``addrs[i]``; with ``heads``, value ``i`` is
+        ``heads[i]`` (sent in the body) then ``sizes[i] - len(heads[i])`` bytes READ from ``addrs[i]``."""
+        body = p.PutRemote(list(keys), list(sizes), list(addrs), overwrite, [bytes(h) for h in heads])
         return _statuses(self._call(p.MsgType.PUT_REMOTE, body, p.PutReply, spin=True).status, len(keys))
 
     def get(self, keys: Sequence[bytes], views: Sequence[_Value]) -> tuple[list[p.Status], list[int]]:
@@ -196,9 +200,30 @@ class ServerClient:
     def get_remote(
         self, keys: Sequence[bytes], capacities: Sequence[int], addrs: Sequence[int]
     ) -> tuple[list[p.Status], list[int]]:
-        body = p.GetRemote(list(keys), list(capacities), list(addrs))
+        """The server WRITEs each OK value whole to ``addrs[i]``; statuses and sizes."""
+        statuses, sizes, _ = self.get_remote_heads(keys, capacities, addrs)
+        return statuses, sizes
+
+    def get_remote_heads(
+        self, keys: Sequence[bytes], capacities: Sequence[int], addrs: Sequence[int],
+        head_lens: Sequence[int] = (),
+    ) -> tuple[list[p.Status], list[int], list[bytes]]:
+        """Statuses, sizes and heads: with ``head_lens``, each OK value's first ``min(head_lens[i],
+        size)`` bytes come back in the reply (checked here) and only the rest is written to ``addrs[i]``;
+        without, heads are empty and whole values are written."""
+        body = p.GetRemote(list(keys), list(capacities), list(addrs), list(head_lens))
         reply = self._call(p.MsgType.GET_REMOTE, body, p.GetReply, spin=True)
-        return _statuses(reply.status, len(keys)), list(reply.sizes)
+        statuses = _statuses(reply.status, len(keys))
+        if len(reply.sizes) != len(keys):
+            self.close()
+            raise p.MalformedBody("GET_REMOTE reply sizes do not match the keys")
+        heads = list(reply.heads) if head_lens else [b""] * len(keys)
+        expected = [min(n, size) if status is p.Status.OK else 0
+                    for n, size, status in zip(head_lens or [0] * len(keys), reply.sizes, statuses)]
+        if len(heads) != len(keys) or [len(h) for h in heads] != expected:
+            self.close()
+            raise p.MalformedBody("GET_REMOTE reply heads do not match the values")
+        return statuses, list(reply.sizes), heads
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self._call(p.MsgType.DELETE, p.Delete(list(keys)), p.DeleteReply).deleted

@@ -16,7 +16,8 @@ A PUT's values are received straight into the host slots the store reserved
 (STORING); a disconnect or a cancellation before the last byte frees them
 (``end_put(ok=False)``). A GET's values are sent straight from pinned slots.
 With NIXL, PUT_REMOTE/GET_REMOTE move the values with one transfer per
-request and only the reply travels on the socket.
+request and only the reply (and each value's head, when the client asks)
+travels on the socket (:mod:`tiercache.server.nixl_requests`).
 
 Bounds: each request runs under the connection's :class:`~tiercache.server.deadlines.FrameClock`
 (receive and send deadlines: a stalled client is cut off and its slots freed)
@@ -42,6 +43,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tiercache.server import nixl_requests
 from tiercache.server import protocol as p
 from tiercache.server.budgets import Charge
 from tiercache.server.deadlines import FrameClock, ReplyTimeout
@@ -282,28 +284,17 @@ class Connection:
         await self._reply(p.MsgType.PUT, header.request_id, p.PutReply([int(s) for s in ticket.status]))
 
     async def _put_remote(self, header: p.Header, body: p.PutRemote) -> None:
-        nixl, peer = self.server.nixl, self._nixl_peer
-        if nixl is None or peer is None:
-            raise p.UnknownMessageType("PUT_REMOTE needs the NIXL data path (none was set up)")
-        ticket = self.store.begin_put(body.keys, body.sizes, body.overwrite, self._charge())
-        local, remote = self._nixl_pairs(ticket.slots, ticket.sizes, body.addrs)
-        # end_put runs once no transfer can write the slots any more (maybe later: nixl_path.py)
-        ok = await nixl.transfer("READ", local, remote, peer, lambda done: self.store.end_put(ticket, done))
-        status = [p.Status.FAILED if slot >= 0 and not ok else s
-                  for slot, s in zip(ticket.slots, ticket.status)]
-        self._finish_put(status, sum(n for _, n in local) if ok else 0, "nixl")
+        nixl, peer = self._nixl_path("PUT_REMOTE")
+        status, nbytes = await nixl_requests.put_remote(self.store, nixl, peer, body, self._charge())
+        self._finish_put(status, nbytes, "nixl")
         await self._reply(p.MsgType.PUT_REMOTE, header.request_id, p.PutReply([int(s) for s in status]))
 
-    def _nixl_pairs(self, slots: list[int], sizes: list[int], addrs: list[int]
-                    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(local, remote) (address, size) runs of a ticket's slots (slot -1: left out) and the client's buffers."""
-        slab = self.store.slab
-        local, remote = [], []
-        for slot, size, addr in zip(slots, sizes, addrs):
-            if slot >= 0:
-                local.append((slab.value_address(slot), size))
-                remote.append((addr, size))
-        return local, remote
+    def _nixl_path(self, what: str) -> tuple[NixlEndpoint, str]:
+        """The server's endpoint and this client's agent; refused if either is missing."""
+        nixl, peer = self.server.nixl, self._nixl_peer
+        if nixl is None or peer is None:
+            raise p.UnknownMessageType(f"{what} needs the NIXL data path (none was set up)")
+        return nixl, peer
 
     def _finish_put(self, statuses: list[p.Status], nbytes: int, path: str) -> None:
         self.stats.put_keys += len(statuses)
@@ -322,18 +313,10 @@ class Connection:
         self._finish_get(ticket.status, sum(ticket.sizes), "tcp")
 
     async def _get_remote(self, header: p.Header, body: p.GetRemote) -> None:
-        nixl, peer = self.server.nixl, self._nixl_peer
-        if nixl is None or peer is None:
-            raise p.UnknownMessageType("GET_REMOTE needs the NIXL data path (none was set up)")
-        ticket = await self.store.begin_get(body.keys, body.capacities, self._charge())
-        local, remote = self._nixl_pairs(ticket.slots, ticket.sizes, body.addrs)
-        # end_get runs once no transfer can read the slots any more (maybe later: nixl_path.py)
-        if not await nixl.transfer("WRITE", local, remote, peer, lambda _: self.store.end_get(ticket)):
-            for i, slot in enumerate(ticket.slots):
-                if slot >= 0:
-                    ticket.status[i], ticket.sizes[i] = p.Status.FAILED, 0
-        self._finish_get(ticket.status, sum(ticket.sizes), "nixl")
-        reply = p.GetReply([int(s) for s in ticket.status], ticket.sizes)
+        nixl, peer = self._nixl_path("GET_REMOTE")
+        reply = await nixl_requests.get_remote(self.store, nixl, peer, body, self._charge())
+        statuses = [p.Status(s) for s in reply.status]
+        self._finish_get(statuses, sum(reply.sizes), "nixl")
         await self._reply(p.MsgType.GET_REMOTE, header.request_id, reply)
 
     def _finish_get(self, statuses: list[p.Status], nbytes: int, path: str) -> None:

@@ -20,12 +20,17 @@ MAX_KEYS_CAP = 65536
 MAX_KEY_BYTES_CAP = 1024
 MAX_TEXT = 256
 MAX_METADATA_BYTES = 1 << 24
+#: The most bytes of a value carried in a PUT_REMOTE/GET_REMOTE body per key (its frame header:
+#: the client tier's compact header of the longest key, 40 + MAX_KEY_BYTES_CAP, fits).
+MAX_HEAD_BYTES = 2048
 
 Key = Annotated[bytes, Meta(min_length=1, max_length=MAX_KEY_BYTES_CAP)]
 Keys = Annotated[list[Key], Meta(max_length=MAX_KEYS_CAP)]
 Sizes = Annotated[list[Annotated[int, Meta(ge=0, le=1 << 40)]], Meta(max_length=MAX_KEYS_CAP)]
 Addrs = Annotated[list[Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]], Meta(max_length=MAX_KEYS_CAP)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Heads = Annotated[list[Annotated[bytes, Meta(max_length=MAX_HEAD_BYTES)]], Meta(max_length=MAX_KEYS_CAP)]
+HeadLens = Annotated[list[Annotated[int, Meta(ge=0, le=MAX_HEAD_BYTES)]], Meta(max_length=MAX_KEYS_CAP)]
 
 
 class MsgType(enum.IntEnum):
@@ -102,12 +107,19 @@ class Put(_Body):
 
 
 class PutRemote(_Body):
-    """Values stay in the client's registered memory at ``addrs[i]``; the server READs them."""
+    """Values stay in the client's registered memory at ``addrs[i]``; the server READs them.
+
+    ``heads`` (empty, or one per key): value ``i`` is ``heads[i]`` (carried here, written into
+    the slot by the server) followed by ``sizes[i] - len(heads[i])`` bytes READ from
+    ``addrs[i]``; ``sizes[i]`` is the whole value's length, head included
+    (:mod:`tiercache.server.nixl_requests`).
+    """
 
     keys: Keys
     sizes: Sizes
     addrs: Addrs
     overwrite: bool = True
+    heads: Heads = []
 
 
 class PutReply(_Body):
@@ -122,16 +134,23 @@ class Get(_Body):
 
 
 class GetRemote(_Body):
-    """The server WRITEs each OK value into the client's registered memory at ``addrs[i]``."""
+    """The server WRITEs each OK value into the client's registered memory at ``addrs[i]``.
+
+    ``head_lens`` (empty, or one per key): the reply's ``heads[i]`` carries the value's first
+    ``min(head_lens[i], size)`` bytes and only the rest is written to ``addrs[i]``;
+    ``capacities[i]`` bounds the whole value (head included) as in GET.
+    """
 
     keys: Keys
     capacities: Sizes
     addrs: Addrs
+    head_lens: HeadLens = []
 
 
 class GetReply(_Body):
     status: Annotated[list[int], Meta(max_length=MAX_KEYS_CAP)]
     sizes: Sizes  # bytes of each value (0 unless OK)
+    heads: Heads = []  # GET_REMOTE with head_lens: each value's first bytes (b"" unless OK)
 
 
 class Delete(_Body):
