@@ -58,7 +58,8 @@ class TierCacheMetrics:
         self.pd_handoffs = Counter(
             "tiercache_pd_handoffs",
             "P/D hand-offs by outcome: offered (producer), read / expired (producer), "
-            "refused (consumer: incompatible or malformed).",
+            "refused (consumer: incompatible or malformed), untrusted (consumer: a producer "
+            "outside its trust).",
             labels + ["outcome"],
             registry=self.registry,
         )
