@@ -47,7 +47,7 @@ from tests.integration.test_pd_channel import (
     into,
     wait_result,
 )
-from tiercache.pd import auth
+from tiercache.pd import auth, side_channel
 from tiercache.pd.channel import (
     ChannelError,
     encode_message,
@@ -58,7 +58,7 @@ from tiercache.pd.channel import (
 from tiercache.pd.link import AuthError, PeerLink, PeerLinks
 from tiercache.pd.peer_tier import NixlPeerTier, PeerChunk, PeerSource
 from tiercache.pd.producer import ProducerEndpoint
-from tiercache.pd.side_channel import ChannelLimits, SideChannel
+from tiercache.pd.side_channel import ChannelLimits
 from tiercache.pd.trust import ProducerTrust
 from tiercache.testing.ports import free_port
 from tiercache.transfer.device import CopySegment
@@ -420,7 +420,8 @@ def test_a_flood_of_connections_leaves_a_real_consumer_working(sources: list[str
 
 
 def test_control_without_eviction_the_flood_locks_the_consumer_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(SideChannel, "_evict", lambda self, peer: False)  # the defence off: full means full
+    # the defence off: no connection ever makes way (admission sees them all as authenticated): full means full
+    monkeypatch.setattr(side_channel, "_handshake_rank", lambda conn: None)
     limits = ChannelLimits(handshake_timeout_s=600.0)  # ... and nobody is timed out meanwhile
     with producer(limits=limits) as (_slab, server, port), flooder(port, FLOOD, OTHERS):
         assert wait_for(lambda: server.channel.connections >= 256)

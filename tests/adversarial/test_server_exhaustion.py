@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.server.harness import ServerProcess
+from tiercache.admission import Admission
 from tiercache.server import protocol as p
-from tiercache.server.admission import Admission
 from tiercache.server.budgets import BudgetLimits, Budgets
 from tiercache.server.client import ServerClient
 from tiercache.server.deadlines import FrameClock, FrameTimeout, ReplyTimeout
@@ -608,7 +608,8 @@ class _Conn:
 
 
 def test_admission_drops_the_oldest_unauthenticated_first() -> None:
-    admission: Admission[_Conn] = Admission(max_connections=3, max_per_peer=2)
+    admission: Admission[_Conn] = Admission(max_connections=3, max_per_peer=2,
+                                            pending_rank=lambda c: 0 if c.tenant is None else None)
     a, b, c, d = _Conn(), _Conn(), _Conn(), _Conn()
     for conn in (a, b):
         assert admission.make_room("10.0.0.1") == []

@@ -19,7 +19,7 @@ Bounds (``pd.max_connections``, ``pd.max_connections_per_peer``,
 takes the place of the oldest connection not yet authenticated (of its peer
 address, for the per-peer cap), one that has said nothing first, then one
 waiting for its proof; when every connection it could replace is
-authenticated it is closed instead. A newcomer's first bytes are read the
+authenticated it is closed instead (:mod:`tiercache.admission`). A newcomer's first bytes are read the
 moment it is accepted (a consumer sends its hello at once), and at most
 :data:`_ACCEPTS_PER_ROUND` are accepted between two rounds of reading, so a
 flood of silent connections cannot push a consumer's handshake out. A connection not authenticated within the
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache import faults
+from tiercache.admission import Admission
 from tiercache.pd import auth
 from tiercache.pd.channel import (
     REPLY_TIMEOUT_S,
@@ -99,7 +100,7 @@ class SideChannel:
         self.counters = {"accepted": 0, "authenticated": 0, "auth_failed": 0, "evicted": 0, "rejected": 0,
                          "timed_out": 0, "bad_messages": 0}
         self._conns: dict[socket.socket, _Conn] = {}
-        self._by_peer: dict[str, int] = {}
+        self._admission: Admission[_Conn] = Admission(limits.max_connections, limits.max_per_peer, _handshake_rank)
         self._listener = socket.create_server((host, port), backlog=_BACKLOG)
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread
@@ -152,34 +153,21 @@ class SideChannel:
                 logger.warning("tiercache P/D: accept on %s failed", self.address, exc_info=True)
                 return
             peer = str(addr[0])
-            if not self._make_room(peer):
+            victims = self._admission.make_room(peer)  # the oldest unauthenticated make way
+            if victims is None:
                 self.counters["rejected"] += 1
                 sock.close()
                 continue
+            for victim in victims:
+                self.counters["evicted"] += 1
+                self._drop(victim)
             now = time.monotonic()
             sock.setblocking(False)
             conn = self._conns[sock] = _Conn(sock, peer, now, now)
-            self._by_peer[peer] = self._by_peer.get(peer, 0) + 1
+            self._admission.add(conn, peer)
             self._selector.register(sock, selectors.EVENT_READ, None)
             self.counters["accepted"] += 1
             self._receive(conn)  # its hello, if it came with the connection (else the selector says when)
-
-    def _make_room(self, peer: str) -> bool:
-        """Room for one more connection from ``peer``: drop the oldest unauthenticated one if a cap is reached."""
-        if self._by_peer.get(peer, 0) >= self.limits.max_per_peer and not self._evict(peer):
-            return False
-        return len(self._conns) < self.limits.max_connections or self._evict(None)
-
-    def _evict(self, peer: str | None) -> bool:
-        """Close the oldest unauthenticated connection (of ``peer``, or of anyone); False if there is none."""
-        mine = [c for c in self._conns.values() if peer is None or c.peer == peer]  # insertion order: oldest first
-        victim = next((c for c in mine if c.state == "new"), None) or \
-            next((c for c in mine if c.state == "challenged"), None)
-        if victim is None:
-            return False
-        self.counters["evicted"] += 1
-        self._drop(victim)
-        return True
 
     def _sweep(self, now: float) -> None:
         """Close connections past their handshake or idle deadline."""
@@ -262,11 +250,7 @@ class SideChannel:
     def _drop(self, conn: _Conn) -> None:
         if self._conns.pop(conn.sock, None) is None:
             return
-        left = self._by_peer.get(conn.peer, 1) - 1
-        if left:
-            self._by_peer[conn.peer] = left
-        else:
-            self._by_peer.pop(conn.peer, None)
+        self._admission.discard(conn)
         try:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -284,3 +268,8 @@ class SideChannel:
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _handshake_rank(conn: _Conn) -> int | None:
+    """Admission's rank of a connection: silent ones make way first, then those mid-handshake."""
+    return {"new": 0, "challenged": 1}.get(conn.state)

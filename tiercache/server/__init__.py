@@ -15,7 +15,7 @@ Modules, one job each:
 * :mod:`~tiercache.server.store` - manager + slab + lower tiers; two-phase put/get
 * :mod:`~tiercache.server.budgets` - slots and in-flight bytes per connection and per tenant
 * :mod:`~tiercache.server.deadlines` - per-request receive/send deadlines (stalled clients cut off)
-* :mod:`~tiercache.server.admission` - connection caps; the oldest unauthenticated make way
+* :mod:`tiercache.admission` (shared with the P/D side channel) - connection caps; the oldest unauthenticated make way
 * :mod:`~tiercache.server.tier_pump` - the store's backend jobs: deletes, demotions, staged reads
 * :mod:`~tiercache.server.connection` - one client connection (HELLO, then requests)
 * :mod:`~tiercache.server.service` - listen, accept, drain on SIGTERM

@@ -97,7 +97,7 @@ class ServerConfig(YamlBackedSettings):
         default=100, ge=8, le=1024,
         description="Longest key (the disk tier names files after keys: 100 at most there).",
     )
-    # Resource bounds: tiercache/server/{admission,deadlines,budgets}.py say how each is applied.
+    # Resource bounds: tiercache/admission.py and tiercache/server/{deadlines,budgets}.py say how each is applied.
     max_connections: int = Field(
         default=256, ge=1, le=65536,
         description="Open connections; at the cap the oldest not yet authenticated is dropped for a "

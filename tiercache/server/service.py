@@ -37,10 +37,10 @@ import ssl
 import time
 
 from tiercache import __version__
+from tiercache.admission import Admission
 from tiercache.config.yaml_file import ConfigError
 from tiercache.server import protocol as p
 from tiercache.server import tenant_stats
-from tiercache.server.admission import Admission
 from tiercache.server.auth import TokenTable
 from tiercache.server.config import ServerConfig
 from tiercache.server.connection import Connection
@@ -86,7 +86,7 @@ class CacheServer:
                 logger.warning("NIXL is installed but unusable (%s); TCP data path only", exc)
         self.connections: set[Connection] = set()
         self.admission: Admission[Connection] = Admission(
-            config.max_connections, config.max_connections_per_peer)
+            config.max_connections, config.max_connections_per_peer, _before_hello)
         self.draining = False
         self.port: int | None = None
         self._started = time.monotonic()
@@ -193,7 +193,7 @@ class CacheServer:
                 continue
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             host = str(addr[0]) if isinstance(addr, tuple) else peer
-            victims = self.admission.make_room(host)  # the oldest unauthenticated make way (admission.py)
+            victims = self.admission.make_room(host)  # the oldest unauthenticated make way (tiercache/admission.py)
             for victim in victims or ():
                 self.forget(victim)
                 self.metrics.refused.labels("evicted").inc()
@@ -272,3 +272,8 @@ def serve(config: ServerConfig) -> int:
     """Run a server in this thread until SIGTERM/SIGINT; its exit status."""
     server = CacheServer(config)
     return asyncio.run(server.run())
+
+
+def _before_hello(conn: Connection) -> int | None:
+    """Admission's rank of a connection: 0 until HELLO named its tenant, then None (authenticated)."""
+    return 0 if conn.tenant is None else None
