@@ -26,7 +26,15 @@ bytes, same run:
 * ``chunked``: ``ctypes.memmove`` of the same buffer in chunk-sized pieces
   (what any copy that goes chunk by chunk can reach at best);
 * on CUDA, pinned host <-> device ``copy_(non_blocking=True)`` of one buffer
-  (``cudaMemcpyAsync``), device->host for stores, host->device for loads.
+  (``cudaMemcpyAsync``), device->host for stores, host->device for loads; and,
+  where the installed vLLM is a CUDA build, vLLM's own batched swap op
+  (``swap_blocks_batch``) over the same pages as the store/load jobs.
+
+On CUDA, ``--cuda-copy`` names the copy methods to compare (tiercache/transfer/cuda_batch.py:
+``gather``, ``vllm_batch``, ``per_run``), each a row; ``calls`` is the copy calls
+one chunk's job issues and ``host us`` the host time spent submitting one chunk's job
+(what delays the engine's next launch). ``--shared-buffer`` allocates every layer
+as a view of one buffer, as vLLM 0.32 does.
 
 Run: ``python -m bench host_tier`` (``--help`` for options). Results go to
 ``bench/results/host_tier.json``.
@@ -49,7 +57,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a script (python bench/<name>.py): import `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common
+from bench import common, cuda_refs
 from tiercache.jobs import TransferJob
 from tiercache.layout import KVBlockLayout, block_runs
 from tiercache.testing.job_builders import make_job
@@ -99,6 +107,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="copy threads of the host copier (default: tiercache's, 2 where 2 CPUs are usable)",
     )
     add(
+        "--cuda-copy",
+        default="auto",
+        help="CUDA copy methods to compare, comma-separated: auto, gather, vllm_batch, per_run "
+        "(default auto; see tiercache/transfer/cuda_batch.py)",
+    )
+    add("--shared-buffer", action="store_true",
+        help="every layer a view of one buffer (vLLM 0.32's allocation) instead of one tensor per layer")
+    add(
         "--per-run-copies",
         action="store_true",
         help="force the generic per-run copy_ path (tiercache.transfer.device.copy_segments) on the CPU, "
@@ -129,7 +145,7 @@ class Geometry:
 
 # ------------------------------------------------------------------------------- engine
 def make_kv_caches(
-    geom: Geometry, num_blocks: int, device: torch.device, seed: int
+    geom: Geometry, num_blocks: int, device: torch.device, seed: int, shared: bool = False
 ) -> dict[str, torch.Tensor]:
     """One separately allocated, randomly filled KV tensor per layer, as vLLM registers them.
 
@@ -138,12 +154,20 @@ def make_kv_caches(
     drifting 64-byte offsets, unlike an engine's large page-aligned tensors.
     """
     shape = geom.layer_shape(num_blocks)
-    caches = {
-        f"model.layers.{layer}.self_attn.attn": torch.empty(
-            shape, dtype=DTYPES[geom.dtype], device=device
-        )
-        for layer in range(geom.layers)
-    }
+    if shared:
+        per_layer = int(torch.Size(shape).numel())
+        raw = torch.empty(per_layer * geom.layers, dtype=DTYPES[geom.dtype], device=device)
+        caches = {
+            f"model.layers.{layer}.self_attn.attn": raw[layer * per_layer:(layer + 1) * per_layer].view(shape)
+            for layer in range(geom.layers)
+        }
+    else:
+        caches = {
+            f"model.layers.{layer}.self_attn.attn": torch.empty(
+                shape, dtype=DTYPES[geom.dtype], device=device
+            )
+            for layer in range(geom.layers)
+        }
     gen = torch.Generator(device=device).manual_seed(seed)
     for raw in caches.values():
         raw.view(torch.uint8).random_(0, 256, generator=gen)
@@ -171,13 +195,17 @@ def make_jobs(
 
 
 def run_jobs(
-    engine: TransferEngine, jobs: list[TransferJob], sync: Callable[[], None]
+    engine: TransferEngine, jobs: list[TransferJob], sync: Callable[[], None],
+    submit_secs: list[float] | None = None,
 ) -> float:
-    """Submit every job, wait for all; seconds from first submit to last completion."""
+    """Submit every job, wait for all; seconds from first submit to last completion
+    (host seconds spent in the submits appended to ``submit_secs``)."""
     sync()
     start = time.perf_counter()
     for job in jobs:
         engine.submit(job)
+    if submit_secs is not None:
+        submit_secs.append(time.perf_counter() - start)
     results = engine.wait_all()
     sync()
     secs = time.perf_counter() - start
@@ -283,6 +311,11 @@ class Cell:
     cuda_h2d_gbs: float | None = None
     store_vs_d2h: float | None = None
     load_vs_h2d: float | None = None
+    method: str = "cpu"  # the copier's method (CUDA: gather, vllm_batch, per_run)
+    calls_per_chunk: float | None = None  # copy calls (kernels, DMAs, batched calls) one chunk's job issues
+    host_us_per_chunk: float | None = None  # host time submitting one chunk's job (median store, load)
+    vllm_batch_store_gbs: float | None = None  # vLLM's swap_blocks_batch on the same pages, if installed
+    vllm_batch_load_gbs: float | None = None
 
 
 def measure_cell(
@@ -292,46 +325,56 @@ def measure_cell(
     pattern: str,
     refs: References,
     bar: tqdm,
+    method: str = "auto",
 ) -> Cell:
     bpc = chunk // layout.bytes_per_block
     num_blocks = (layout.num_blocks // bpc) * bpc
     device = layout.device
     order = block_order(num_blocks, pattern, args.seed)
-    engine = TransferEngine(layout, bpc, num_blocks // bpc, copy_threads=args.threads)
+    engine = TransferEngine(layout, bpc, num_blocks // bpc, copy_threads=args.threads, cuda_copy=method)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     stores, loads = make_jobs("store", order, bpc), make_jobs("load", order, bpc, len(order))
+    submits: dict[str, list[float]] = {"store": [], "load": []}
     try:
         run_jobs(engine, stores, sync)  # warm-up: touches every slot page
         run_jobs(engine, loads, sync)
         verify(engine, layout, order, bpc, sync)
+        batch = cuda_refs.VllmBatchReference.build(engine, stores) if refs.cuda else None
         samples: dict[str, list[float]] = {}
         for _ in range(args.repeat):
-            for name, fn in _round(engine, stores, loads, refs, chunk, sync).items():
+            for name, fn in _round(engine, stores, loads, refs, chunk, sync, submits, batch).items():
                 samples.setdefault(name, []).append(fn())
             bar.update(1)
+        calls = cuda_refs.calls_per_chunk(engine, stores) if refs.cuda else None
     finally:
         engine.shutdown()
     copier = getattr(engine.copier, "_segment_copier", None)
     moved = {name: refs.total for name in samples} | {
-        "store": len(order) * layout.bytes_per_block,
-        "load": len(order) * layout.bytes_per_block,
+        name: len(order) * layout.bytes_per_block for name in ("store", "load", "vllm_store", "vllm_load")
     }
-    return _summarize(samples, moved, chunk, pattern, bpc, layout, order, copier)
+    cell = _summarize(samples, moved, chunk, pattern, bpc, layout, order, copier)
+    cell.method = getattr(engine.copier, "method", "cpu")
+    cell.calls_per_chunk = calls
+    per_job = [s / len(stores) * 1e6 for s in submits["store"] + submits["load"]]
+    cell.host_us_per_chunk = statistics.median(per_job) if per_job else None
+    return cell
 
 
 def _round(
-    engine, stores, loads, refs: References, chunk: int, sync
+    engine, stores, loads, refs: References, chunk: int, sync, submits: dict[str, list[float]], batch
 ) -> dict[str, Callable[[], float]]:
     """One interleaved repetition: every reference and both directions, in seconds."""
     fns: dict[str, Callable[[], float]] = {
         "torch_copy": refs.torch_copy,
         "memmove": refs.memmove,
         "chunked": lambda: refs.chunked(chunk),
-        "store": lambda: run_jobs(engine, stores, sync),
-        "load": lambda: run_jobs(engine, loads, sync),
+        "store": lambda: run_jobs(engine, stores, sync, submits["store"]),
+        "load": lambda: run_jobs(engine, loads, sync, submits["load"]),
     }
     if refs.cuda:
         fns["d2h"], fns["h2d"] = refs.d2h, refs.h2d
+    if batch is not None:
+        fns["vllm_store"], fns["vllm_load"] = batch.store, batch.load
     return fns
 
 
@@ -361,6 +404,8 @@ def _summarize(samples, moved, chunk, pattern, bpc, layout, order, copier) -> Ce
         store_vs_memcpy=ratio("store", ceiling),
         load_vs_memcpy=ratio("load", ceiling),
     )
+    if "vllm_store" in rate:
+        cell.vllm_batch_store_gbs, cell.vllm_batch_load_gbs = med["vllm_store"], med["vllm_load"]
     if "d2h" in rate:
         cell.cuda_d2h_gbs, cell.cuda_h2d_gbs = med["d2h"], med["h2d"]
         cell.store_vs_d2h, cell.load_vs_h2d = (
@@ -387,6 +432,7 @@ def pick_device(choice: str) -> torch.device:
 def print_cells(cells: list[Cell], title: str) -> None:
     headers = [
         "chunk",
+        "method",
         "ids",
         "blocks",
         "copies",
@@ -401,6 +447,7 @@ def print_cells(cells: list[Cell], title: str) -> None:
     for c in cells:
         row = [
             common.size_label(c.chunk_bytes),
+            c.method,
             c.ids,
             c.blocks_per_chunk,
             f"{c.copies_per_chunk:g}",
@@ -412,15 +459,20 @@ def print_cells(cells: list[Cell], title: str) -> None:
             f"{c.load_vs_memcpy:.0%}",
         ]
         if c.cuda_d2h_gbs is not None:
+            vllm = (f"{c.vllm_batch_store_gbs:.1f}/{c.vllm_batch_load_gbs:.1f}"
+                    if c.vllm_batch_store_gbs is not None else "n/a")
             row += [
                 f"{c.cuda_d2h_gbs:.2f}",
                 f"{c.cuda_h2d_gbs:.2f}",
                 f"{c.store_vs_d2h:.0%}",
                 f"{c.load_vs_h2d:.0%}",
+                vllm,
+                f"{c.calls_per_chunk:g}" if c.calls_per_chunk is not None else "-",
+                f"{c.host_us_per_chunk:.0f}" if c.host_us_per_chunk is not None else "-",
             ]
         rows.append(row)
     if cells and cells[0].cuda_d2h_gbs is not None:
-        headers += ["D2H GB/s", "H2D GB/s", "store/D2H", "load/H2D"]
+        headers += ["D2H GB/s", "H2D GB/s", "store/D2H", "load/H2D", "vLLM batch st/ld", "calls", "host us"]
     common.print_table(headers, rows, title)
 
 
@@ -440,12 +492,15 @@ def run_cells(
     args: argparse.Namespace, layout: KVBlockLayout, sizes: list[int], refs: References
 ) -> list[Cell]:
     patterns = [p.strip() for p in args.ids.split(",") if p.strip()]
+    methods = [m.strip() for m in args.cuda_copy.split(",") if m.strip()] if refs.cuda else ["auto"]
     cells: list[Cell] = []
-    with common.progress(args, len(sizes) * len(patterns) * args.repeat, "host tier", "rep") as bar:
+    total = len(sizes) * len(patterns) * len(methods) * args.repeat
+    with common.progress(args, total, "host tier", "rep") as bar:
         for chunk in sizes:
             for pattern in patterns:
-                bar.set_postfix_str(f"{common.size_label(chunk)} {pattern}")
-                cells.append(measure_cell(args, layout, chunk, pattern, refs, bar))
+                for method in methods:
+                    bar.set_postfix_str(f"{common.size_label(chunk)} {pattern} {method}")
+                    cells.append(measure_cell(args, layout, chunk, pattern, refs, bar, method))
     return cells
 
 
@@ -456,7 +511,7 @@ def describe_run(
     shape = f"({lead}, {geom.block_size}, {geom.kv_heads}, {geom.head_dim})"
     page = geom.bytes_per_block // geom.layers // (2 if geom.kv_split else 1)
     if device.type == "cuda":
-        copier = "CUDA streams"
+        copier = "CUDA streams" + (", one shared KV buffer" if args.shared_buffer else ", a tensor per layer")
     else:
         copier = f"{args.threads or default_copy_threads()} copy thread(s)"
         copier += ", per-run copies" if args.per_run_copies else ""
@@ -478,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sizes = usable_sizes(args.sizes, geom)
     num_blocks = args.total // geom.bytes_per_block
-    kv_caches = make_kv_caches(geom, num_blocks, device, args.seed)
+    kv_caches = make_kv_caches(geom, num_blocks, device, args.seed, shared=args.shared_buffer)
     layout = KVBlockLayout.from_kv_caches(kv_caches, num_blocks)
     refs = References(num_blocks * geom.bytes_per_block, device)
     cells = run_cells(args, layout, sizes, refs)

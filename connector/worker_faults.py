@@ -63,10 +63,14 @@ class WorkerFaults:
             self._fail_unstarted(spec, sync)
 
     def _wait_sync(self, engine: WorkerPipeline, job_ids: list[int]) -> None:
-        """Sync loads: wait until their blocks hold their KV (or their chunks failed)."""
+        """Sync loads: return once the forward pass will see their blocks hold their KV (or failed)."""
         self._sync_jobs.update(job_ids)
-        self._absorb(engine.wait_for(job_ids))
-        self._give_up([self._loads[i] for i in job_ids if i in self._loads and i not in self._given_up])
+        # CUDA: a job whose device copy still runs is ordered before the compute stream (no host
+        # wait); its result comes from a later poll. CPU: every job's result is here.
+        results, on_device = engine.wait_before_compute(job_ids)
+        self._absorb(results)
+        self._give_up([self._loads[i] for i in job_ids
+                       if i in self._loads and i not in self._given_up and i not in on_device])
 
     def _fail_unstarted(self, spec: LoadJob, sync: bool) -> None:
         self._invalid_blocks.update(spec.block_ids())

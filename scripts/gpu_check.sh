@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU check of tiercache's CUDA path: the CUDA copier tests (tests/gpu) and the
-# host-tier benchmark with the engine KV on the GPU (bench/host_tier.py --device cuda).
+# GPU check of tiercache's CUDA path: the GPU tests (tests/gpu: copier methods, layouts,
+# pinning, ordering), the host-tier benchmark with the engine KV on the GPU for each copy
+# method (bench/host_tier.py --device cuda), the raw batched-copy micro-benchmark and the
+# compute-overlap benchmark (bench/cuda_overlap.py).
 #
 #   bash scripts/gpu_check.sh            # from anywhere; runs in the repository root
 #
@@ -11,7 +13,7 @@
 # package-dir mapping (pyproject.toml: tiercache.backends = backends/,
 # tiercache.connector = connector/) is provided by a small import hook, so the
 # tree is tested as it is. Logs and the benchmark's JSON go to $OUT (default
-# /tmp/gpu_check_out). Each step has its own time limit; the whole ends within ~6 min.
+# /tmp/gpu_check_out). Each step has its own time limit; the whole ends within ~8 min (~4 min on an H100).
 #
 # Environment: PYTHON (default python3), OUT, TC_BENCH_DEVICE (default cuda;
 # cpu only to try the script on a machine without a GPU).
@@ -91,23 +93,36 @@ timeout 60 "$PY" "$SHIM" tiercache.transfer.cuda_copier && echo "import check: t
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=60) || PER_TEST=()
 
 step "tests/gpu"
-timeout 180 "$PY" "$SHIM" pytest -q -rA tests/gpu -p no:cacheprovider "${PER_TEST[@]}" 2>&1 \
+timeout 240 "$PY" "$SHIM" pytest -q -rA tests/gpu -p no:cacheprovider "${PER_TEST[@]}" 2>&1 \
   | tee "$OUT/gpu_tests.log"
 RC[tests]=$?
 
-step "bench: host tier, default geometry (small model, 2 KiB pages), KV on $BENCH_DEVICE"
+METHODS=${TC_CUDA_COPY:-gather,driver_batch,per_run}
+bench() {  # name, time limit, args...
+  local name=$1 limit=$2; shift 2
+  step "bench: $name"
+  timeout "$limit" "$PY" "$SHIM" bench.host_tier --device "$BENCH_DEVICE" --shared-buffer --cuda-copy "$METHODS" \
+    --ids scattered --repeat 3 --no-progress --out "host_tier_gpu_$name" "$@" 2>&1 | tee -a "$OUT/bench_cuda.log"
+  RC[$name]=$?
+}
 rm -f bench/results/host_tier_gpu_*.json
-timeout 150 "$PY" "$SHIM" bench.host_tier --device "$BENCH_DEVICE" --sizes 64KiB,1MiB,4MiB --total 128MiB \
-  --repeat 3 --out host_tier_gpu_small 2>&1 | tee "$OUT/bench_cuda.log"
-RC[bench_small]=$?
+# page sizes of the targets: scattered 64 KiB pages (>= 80% of one memcpy), >= 256 KiB (>= 90%)
+bench page64k 120 --kv-heads 8 --head-dim 128 --kv-split --block-size 32 --sizes 4MiB,16MiB --total 1GiB
+bench page256k 120 --kv-heads 8 --head-dim 128 --kv-split --block-size 128 --sizes 16MiB --total 1GiB
+bench page2k 120 --sizes 256KiB,1MiB --total 256MiB   # a small model: 2 KiB pages, the hardest case
+bench llama8b 120 --kv-heads 8 --head-dim 128 --kv-split --sizes 2MiB,16MiB --total 1GiB  # 32 KiB pages
 
-step "bench: host tier, Llama-8B-like geometry (32 KiB pages, K/V apart), KV on $BENCH_DEVICE"
-timeout 120 "$PY" "$SHIM" bench.host_tier --device "$BENCH_DEVICE" --kv-heads 8 --head-dim 128 \
-  --kv-split --sizes 2MiB,16MiB --total 1GiB --repeat 3 --out host_tier_gpu_llama 2>&1 \
+step "bench: cuda_batched_copy (raw per-page vs gather, no tiercache)"
+timeout 90 "$PY" "$SHIM" bench.cuda_batched_copy --out cuda_batched_copy_gpu 2>&1 | tee -a "$OUT/bench_cuda.log"
+RC[raw]=$?
+
+step "bench: cuda_overlap (compute idle with stores running)"
+timeout 120 "$PY" "$SHIM" bench.cuda_overlap --cuda-copy "$METHODS" --no-progress --out cuda_overlap_gpu 2>&1 \
   | tee -a "$OUT/bench_cuda.log"
-RC[bench_llama]=$?
-cp bench/results/host_tier_gpu_*.json "$OUT/" 2>/dev/null
+RC[overlap]=$?
+cp bench/results/host_tier_gpu_*.json bench/results/cuda_*_gpu.json "$OUT/" 2>/dev/null
 
 step "summary"
-for k in tests bench_small bench_llama; do echo "$k: exit ${RC[$k]}"; done
-(( RC[tests] == 0 && RC[bench_small] == 0 && RC[bench_llama] == 0 ))
+ok=0
+for k in tests page64k page256k page2k llama8b raw overlap; do echo "$k: exit ${RC[$k]}"; (( RC[$k] == 0 )) || ok=1; done
+exit $ok

@@ -67,6 +67,14 @@ class TierCacheMetrics:
             "tiercache_pd_held_chunks", "Producer: chunks held for consumers that have not read them yet.",
             labels, registry=self.registry,
         )
+        self.host_pinned_bytes = Gauge(
+            "tiercache_host_pinned_bytes",
+            "Bytes of the host tier actually page-locked for the GPU (cudaHostRegister, verified with "
+            "is_pinned), summed over the engine's workers; 0 when pinning was not wanted (no CUDA) or failed, "
+            "in which case every copy between the host tier and the GPU is synchronous (see the worker's "
+            "warning).",
+            labels, registry=self.registry,
+        )
         self.faults = Counter(
             "tiercache_faults",
             "Faults tiercache contained (each a miss or a recompute, never an error in vLLM), by reason: "

@@ -187,6 +187,15 @@ class TierCacheConfig(YamlBackedSettings):
         le=16,
         description="Host-side copy threads on the CPU platform (default: 2, at most the usable cores).",
     )
+    cuda_copy: Literal["auto", "vllm_batch", "driver_batch", "gather", "per_run"] = Field(
+        default="auto",
+        description="How a job's pages move between GPU KV blocks and the host tier: vllm_batch (vLLM's "
+        "swap_blocks_batch, one cuMemcpyBatchAsync per job), driver_batch (the same driver call through "
+        "ctypes, no CUDA vLLM needed; CUDA >= 12.8), gather (one device gather kernel into a "
+        "staging buffer, then one DMA per contiguous host range), per_run (one copy per run of "
+        "consecutive blocks per layer: slow, for comparison); auto = vllm_batch where the installed "
+        "vLLM has it, else gather. Ignored on the CPU platform.",
+    )
     log_level: Annotated[LogLevel | None, BeforeValidator(_upper)] = Field(
         default=None,
         description="Level of tiercache's own log lines, which go to vLLM's log (default: vLLM's level, "

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from tiercache.layout import KVBlockLayout
+from tiercache.transfer.cuda_batch import CopyMethod
 from tiercache.transfer.cuda_copier import CudaStreamCopier
 from tiercache.transfer.device import BlockCopier
 from tiercache.transfer.host_copier import HostThreadCopier
@@ -24,11 +25,13 @@ def make_copier(
     blocks_per_chunk: int,
     copy_threads: int | None = None,
     planes: Sequence[torch.Tensor] | None = None,
+    cuda_copy: CopyMethod = "auto",
 ) -> BlockCopier:
-    """The right copier for where the engine's KV lives (``copy_threads``: host KV only).
+    """The right copier for where the engine's KV lives (``copy_threads``: host KV only;
+    ``cuda_copy``: device KV only, see :mod:`tiercache.transfer.cuda_batch`).
 
     ``planes``: the slab is in layout planes (:func:`tiercache.layout.slab_planes`).
     """
     if layout.device.type == "cuda":
-        return CudaStreamCopier(layout, slab, blocks_per_chunk, planes=planes)
+        return CudaStreamCopier(layout, slab, blocks_per_chunk, planes=planes, method=cuda_copy)
     return HostThreadCopier(layout, slab, blocks_per_chunk, threads=copy_threads, planes=planes)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -190,6 +190,16 @@ class BlockCopier(ABC):
 
     @abstractmethod
     def wait_all(self) -> list[CopyDone]: ...
+
+    @property
+    def orders_on_device(self) -> bool:
+        """Whether :meth:`order_before_compute` orders the engine's next kernels after a job
+        without a host wait (CUDA); else the caller waits for the job on the host (CPU)."""
+        return False
+
+    def order_before_compute(self, job_ids: Iterable[int]) -> None:
+        """Make the compute stream wait for these jobs' copies (only where :attr:`orders_on_device`)."""
+        raise NotImplementedError(f"{type(self).__name__} orders copies on the host: wait for them")
 
     def close(self) -> None:
         return None

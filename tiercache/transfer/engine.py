@@ -23,6 +23,7 @@ from tiercache.backend import JobResult
 from tiercache.transfer.host_slab import HostSlab
 from tiercache.config.schema import FaultConfig
 from tiercache.transfer.copiers import make_copier
+from tiercache.transfer.cuda_batch import CopyMethod
 from tiercache.jobs import LoadJob, TransferJob
 from tiercache.transfer.device import BlockCopier, CopyJob, Direction, zero_blocks
 from tiercache.layout import KVBlockLayout, SlotLayout, slab_planes
@@ -44,6 +45,7 @@ class TransferEngine:
         prefault_host: bool = False,
         huge_host: bool = False,
         slot_layout: SlotLayout = "slots",
+        cuda_copy: CopyMethod = "auto",
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = blocks_per_chunk
@@ -59,11 +61,13 @@ class TransferEngine:
             slab_planes(self.host.slab, layout.page_bytes, blocks_per_chunk) if slot_layout == "planes" else None
         )
         self.copier: BlockCopier = make_copier(
-            layout, self.host.slab, blocks_per_chunk, copy_threads=copy_threads, planes=self.planes
+            layout, self.host.slab, blocks_per_chunk, copy_threads=copy_threads, planes=self.planes,
+            cuda_copy=cuda_copy,
         )
         self.faults = faults or FaultConfig()
         self._inflight: dict[int, TransferJob] = {}
         self._failed_now: list[JobResult] = []
+        self._corrupted: set[int] = set()  # loads corrupt_loads zeroed when ordered before compute
 
     def submit(self, job: TransferJob) -> None:
         """Start a job; its result arrives through :meth:`poll`. A load's chunks must all sit in host slots."""
@@ -88,6 +92,22 @@ class TransferEngine:
         """Block reuse barrier: call before a forward pass may overwrite engine blocks."""
         self.copier.fence_stores()
 
+    @property
+    def orders_on_device(self) -> bool:
+        """Whether loads can be ordered before the engine's compute without a host wait (CUDA)."""
+        return self.copier.orders_on_device
+
+    def order_before_compute(self, job_ids: set[int]) -> None:
+        """The engine's next kernels run after these loads' copies (only where :attr:`orders_on_device`)."""
+        if job_ids:
+            self.copier.order_before_compute(job_ids)
+            if self.faults.corrupt_loads:  # the negative control, ordered like the loads themselves
+                for job_id in job_ids:
+                    job = self._inflight.get(job_id)
+                    if isinstance(job, LoadJob):
+                        zero_blocks(self.layout, job.block_ids())
+                        self._corrupted.add(job_id)
+
     def poll(self) -> list[JobResult]:
         return self._collect(self.copier.poll())
 
@@ -103,8 +123,9 @@ class TransferEngine:
                 logger.warning("tiercache %s job %d failed: %s", "load" if load else "store", job.job_id, done.error)
                 results.append(JobResult(job.job_id, (), job.keys, 0, done.secs))
                 continue
-            if load and self.faults.corrupt_loads:
+            if load and self.faults.corrupt_loads and done.job_id not in self._corrupted:
                 zero_blocks(self.layout, job.block_ids())
+            self._corrupted.discard(done.job_id)
             results.append(JobResult(job.job_id, job.keys, (), done.bytes, done.secs))
         return results
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.transfer.device import BlockCopier, CopyDone, CopyJob, copy_segments, default_copy_threads
+from tiercache.transfer.copy_plan import PlanGeometry, plan_copy, run_plan_on_host
+from tiercache.transfer.device import BlockCopier, CopyDone, CopyJob, check_segment, default_copy_threads
 from tiercache.transfer.host_gather import HostSegmentCopier
 from tiercache.layout import KVBlockLayout
 
@@ -68,8 +69,9 @@ class HostThreadCopier(BlockCopier):
         planes: Sequence[torch.Tensor] | None = None,
     ) -> None:
         super().__init__(layout, slab, blocks_per_chunk, planes)
-        # layout planes: copy_plane_segments (runs across chunks) instead of the per-slot gathers
+        # layout planes: the copy plan (runs across chunks, tiercache.transfer.copy_plan) instead of the per-slot gathers
         self._segment_copier = None if planes is not None else HostSegmentCopier.build(layout, slab, blocks_per_chunk)
+        self._geometry = PlanGeometry.of(layout, slab, blocks_per_chunk, planes)
         self.threads = threads or default_copy_threads()
         self._parts: queue.SimpleQueue[_Part | None] = queue.SimpleQueue()
         self._progress = threading.Condition()
@@ -96,9 +98,9 @@ class HostThreadCopier(BlockCopier):
     def _describe(self) -> str:
         sc = self._segment_copier
         if self.planes is not None:
-            return "slab in planes: one numpy copy per region and run of blocks"
+            return "slab in planes: one memmove per region and run of blocks (copy plan)"
         if sc is None:
-            return "per-run copies (layout unfit for numpy gathers)"
+            return "copy plan: one memmove per run (layout unfit for numpy gathers)"
         return f"numpy gathers: {len(sc.groups)} group(s) of {sc.item_bytes}-byte items"
 
     def submit(self, job: CopyJob) -> None:
@@ -117,7 +119,10 @@ class HostThreadCopier(BlockCopier):
     def _copy(self, job: CopyJob) -> int:
         if self._segment_copier is not None:
             return self._segment_copier.copy(job)
-        return copy_segments(self.layout, self.slab, self.blocks_per_chunk, job, planes=self.planes)
+        # layout planes, or pages the numpy gather cannot address: the copy plan, one memmove per run
+        for seg in job.segments:
+            check_segment(self.layout, self.slab.shape[0], self.blocks_per_chunk, seg)
+        return run_plan_on_host(plan_copy(self._geometry, job.direction == "store", job.segments))
 
     def _run_part(self, seq: int, part: CopyJob) -> None:
         start = time.perf_counter()

@@ -331,6 +331,33 @@ class WorkerPipeline:
                     time.sleep(0.0002)
         return out
 
+    def wait_before_compute(self, job_ids: Iterable[int], timeout_s: float | None = None
+                            ) -> tuple[list[JobResult], set[int]]:
+        """Sync loads: return once the engine's next kernels will see these jobs' blocks filled.
+
+        Where the copier orders copies on the device (CUDA), the host waits only for the
+        lower-tier and direct reads (within their deadlines, as :meth:`wait_for`); jobs whose
+        device copy is still running are ordered before the compute stream and returned as
+        the second value (their results come from a later :meth:`poll`). Elsewhere (CPU)
+        this is :meth:`wait_for`: every job's result, nothing left running.
+        """
+        pending = set(job_ids)
+        if not self.engine.orders_on_device:
+            return self.wait_for(pending, timeout_s), set()
+        out: list[JobResult] = []
+        limit = self.load_deadline_s + 60.0 if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            batch = self.poll()
+            out.extend(batch)
+            pending.difference_update(r.job_id for r in batch)
+            if not pending & self._staging.keys() or time.monotonic() > deadline:
+                break
+            time.sleep(0.0002)
+        on_device = pending - self._staging.keys()
+        self.engine.order_before_compute(on_device)
+        return out, on_device
+
     def wait_all(self, timeout_s: float = 60.0) -> list[JobResult]:
         """Poll until nothing is outstanding within its deadline, or ``timeout_s`` (shutdown, tests)."""
         out = self.poll()
