@@ -7,6 +7,7 @@ crosses between them. ``pd/`` is prefill/decode's vLLM side, reached by each
 half through one role object (``pd/roles.py``). The rest translates vLLM's
 view into tiercache's: ``engine_info.py``, ``model_identity.py``,
 ``namespace_check.py``, ``lower_tiers.py``, ``prompt_tail.py``,
-``block_pins.py``, ``events.py``, ``stats.py``, ``logs.py``, ``guard.py``.
+``block_pins.py``, ``store_pins.py``, ``events.py``, ``stats.py``, ``logs.py``,
+``guard.py``.
 May import anything of tiercache, and vLLM.
 """

@@ -60,6 +60,8 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     faults: dict[str, int] = field(default_factory=dict)
     # (pp_rank, tp_rank) -> namespace_check.WorkerIdentity, sent only while the scheduler asks for it
     namespace_reports: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # bytes of the worker's host tier page-locked (0: pageable), sent once, after register_kv_caches
+    host_pinned_bytes: int | None = None
 
     def add(self, job_id: int, failed_keys: tuple[bytes, ...], num_bytes: int, secs: float) -> None:
         self.done[job_id] = JobReport(1, set(failed_keys), num_bytes, secs)
@@ -70,6 +72,8 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
         for reason, n in other.faults.items():
             self.faults[reason] = self.faults.get(reason, 0) + n
         self.namespace_reports.update(other.namespace_reports)
+        if other.host_pinned_bytes is not None:
+            self.host_pinned_bytes = (self.host_pinned_bytes or 0) + other.host_pinned_bytes
         for job_id, rep in other.done.items():
             mine = self.done.get(job_id)
             if mine is None:

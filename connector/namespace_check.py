@@ -320,8 +320,8 @@ class SchedulerGate:
     def request_finished(self, request: Any, block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
         return self.inner.request_finished(request, block_ids) if self.inner is not None else (False, None)
 
-    def has_pending_handoffs(self) -> bool:
-        return self.inner is not None and self.inner.has_pending_handoffs()
+    def has_pending_work(self) -> bool:
+        return self.inner is not None and self.inner.has_pending_work()
 
     def take_events(self) -> list[Any]:
         return self.inner.take_events() if self.inner is not None else []

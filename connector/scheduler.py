@@ -6,7 +6,7 @@ jobs planned in ``update_state_after_alloc`` and plans the stores for chunks
 that the step's forward pass completes (prompt and, by default, generated
 tokens). Worker reports come back through ``update_connector_output`` and
 close the jobs in the manager (unpin loaded chunks, mark stored chunks ready
-or drop failed ones).
+or drop failed ones) and release a store's engine blocks (store_pins.py).
 
 A load is planned into one :class:`~tiercache.jobs.LoadJob` whose chunks each
 name their source (host slot, lower tier staged through a host slot, or a P/D
@@ -30,6 +30,7 @@ from tiercache.connector.pd.roles import SchedulerPD, pd_settings
 from tiercache.connector.pd.scheduler_role import PDScheduler, peer_tier_specs
 from tiercache.connector.scheduler_faults import SchedulerFaults
 from tiercache.connector.scheduler_state import JobRecord, RequestState
+from tiercache.connector.store_pins import StorePins
 
 from tiercache import faults
 from tiercache.config.schema import TierCacheConfig
@@ -92,12 +93,14 @@ class TierCacheScheduler(SchedulerFaults):
         self._step_invalid: list[int] = []
         self._step_failed_recvs: list[str] = []  # see SchedulerFaults
         self._kv_cache_manager: KVCacheManager | None = None
+        self.store_pins = StorePins()  # a store's engine blocks, until every worker copied them
         self._counters: dict[str, float] = {}
 
     # ------------------------------------------------------------ plumbing
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
         self.pd.bind(kv_cache_manager)
+        self.store_pins.bind_manager(kv_cache_manager)
 
     def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
@@ -223,6 +226,7 @@ class TierCacheScheduler(SchedulerFaults):
 
     # ---------------------------------------------------------- per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheConnectorMetadata:
+        self.store_pins.withdraw_unsent(self._jobs, self._finish_job)  # from a step that raised
         stores: list[StoreJob] = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
@@ -259,6 +263,7 @@ class TierCacheScheduler(SchedulerFaults):
         self.metrics.count_faults(faults.take())  # this process's faults (the workers' come in their reports)
         self._step_loads, self._step_invalid, self._step_deletes = [], [], {}
         self._sync_tier_metrics()
+        self.store_pins.sent()
         return meta
 
     def _plan_store(self, req_id: str, st: RequestState, num_new: int) -> StoreJob | None:
@@ -299,12 +304,16 @@ class TierCacheScheduler(SchedulerFaults):
                 end = (c + 1) * bpc
             segments.append(CopySegment(slot, 0, tuple(block_ids[c * bpc : end])))
         self._count("store_jobs", 1)
-        return StoreJob(self._new_job_id("store", req_id, plan.keys), req_id, plan.keys, tuple(segments))
+        job = StoreJob(self._new_job_id("store", req_id, plan.keys), req_id, plan.keys, tuple(segments))
+        self.store_pins.hold(job.job_id, job.block_ids())  # connector/store_pins.py
+        return job
 
     def update_connector_output(self, worker_meta: TierCacheWorkerMetadata | None) -> None:
         if worker_meta is None:
             return
         self.metrics.count_faults(worker_meta.faults)
+        if worker_meta.host_pinned_bytes is not None:  # each worker's, once
+            self.metrics.label(self.metrics.host_pinned_bytes).inc(worker_meta.host_pinned_bytes)
         self.pd.report(worker_meta.pd)
         for job_id, report in worker_meta.done.items():
             rec = self._jobs.get(job_id)
@@ -319,6 +328,7 @@ class TierCacheScheduler(SchedulerFaults):
             if rec.reports_left > 0:
                 continue
             del self._jobs[job_id]
+            self.store_pins.release(job_id)  # a store's copies are done on every rank
             self._finish_job(rec)
 
     def _finish_job(self, rec: JobRecord) -> None:
@@ -332,7 +342,9 @@ class TierCacheScheduler(SchedulerFaults):
                 # A chunk that failed to load is dropped, so the recompute that vLLM now
                 # schedules does not look it up and fail on it again (a livelock).
                 self.manager.discard(list(rec.failed))
-                self._reoffer_after_failed_load(rec)
+                st = self._reqs.get(rec.owner)
+                if st is not None:  # stored again once vLLM recomputed them (else: misses for good)
+                    st.reoffer(self.keys.chunk_keys(st.request.block_hashes), rec.failed)
             return
         if rec.direction == "demote":
             self.manager.cascade.complete_demotion(rec.owner, rec.keys, failed=rec.failed)
@@ -342,33 +354,23 @@ class TierCacheScheduler(SchedulerFaults):
         if rec.failed:
             self.manager.complete_store(list(rec.failed), ok=False)
 
-    def _reoffer_after_failed_load(self, rec: JobRecord) -> None:
-        """Store the failed chunks again once vLLM has recomputed them (else: misses for good)."""
-        st = self._reqs.get(rec.owner)
-        if st is None:
-            return
-        keys = self.keys.chunk_keys(st.request.block_hashes)
-        failed_at = [i for i, key in enumerate(keys) if key in rec.failed]
-        if failed_at:
-            st.next_store_chunk = min(st.next_store_chunk, failed_at[0])
-
     def _sync_tier_metrics(self) -> None:
         for name, (used, _total) in self.manager.usage().items():
             self.metrics.label(self.metrics.used_bytes, name).set(used * self.geometry.slot_bytes)
 
     # ------------------------------------------------------------ the rest
     def request_finished(self, request: Request, block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
-        # Stores for the request's last step were planned in that step's metadata and
-        # are fenced by the worker before the next forward pass: nothing to delay
-        # (a P/D hand-off in mode direct pins its blocks instead: connector/pd/scheduler_role.py).
+        # Stores planned for the request pin their blocks until every worker copied them
+        # (connector/store_pins.py), as a P/D hand-off in mode direct does (connector/pd/
+        # scheduler_role.py): vLLM may free the request's blocks at once, nothing to delay.
         self._reqs.pop(request.request_id, None)
         if self._shared is not None:
             self._shared.forget(request.request_id)
         return self.pd.finished(request, block_ids)
 
-    def has_pending_handoffs(self) -> bool:
-        """P/D producer: the engine must run another step for its hand-offs (see PDScheduler.has_pending)."""
-        return self.pd.has_pending()
+    def has_pending_work(self) -> bool:
+        """The engine must step on: store pins to release, or P/D hand-offs (PDScheduler.has_pending)."""
+        return bool(self.store_pins) or self.pd.has_pending()
 
     def take_events(self) -> list[ChunkEvent]:
         return self.manager.events.take()
@@ -383,6 +385,7 @@ class TierCacheScheduler(SchedulerFaults):
         return True
 
     def shutdown(self) -> None:
+        self.store_pins.release_all()
         if self._shared is not None:
             self._shared.close()
         self.manager.shutdown()

@@ -24,6 +24,12 @@ class RequestState:
     shared_asked: bool = False  # the shared tiers answered for this request already
     tail_stored: bool = False  # P/D producer, via_host: the prompt's tail was offered to the host tier
 
+    def reoffer(self, chunk_keys: list[bytes], failed: set[bytes]) -> None:
+        """Chunks whose load failed (of ``chunk_keys``, the request's): offer them for storing again."""
+        failed_at = [i for i, key in enumerate(chunk_keys) if key in failed]
+        if failed_at:
+            self.next_store_chunk = min(self.next_store_chunk, failed_at[0])
+
 
 @dataclass
 class JobRecord:

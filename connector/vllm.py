@@ -236,10 +236,11 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @contained(False)
     def has_pending_push_work(self) -> bool:
-        # A P/D producer's worker learns of hand-off marks and releases only in a step, and
-        # with tcp transports progresses UCX while hand-offs are held: keep the engine stepping
-        # then, even with no request left (see PDScheduler.has_pending).
-        return self._scheduler is not None and self._scheduler.has_pending_handoffs()
+        # Keep the engine stepping, even with no request left, while (1) a store's blocks are
+        # pinned: the workers' reports that release them come only in a step (connector/
+        # store_pins.py); (2) a P/D producer's worker must learn of hand-off marks and releases,
+        # or progress UCX for held hand-offs with tcp transports (see PDScheduler.has_pending).
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     @contained(list)
     def take_events(self) -> Iterable["KVCacheEvent"]:

@@ -3,8 +3,12 @@
 Runs in each vLLM worker process, on its main thread. Per step (see vLLM's
 ``KVConnectorModelRunnerMixin``):
 
-1. ``handle_preemptions`` (before the forward pass): fence earlier stores, so
-   no block the forward pass may overwrite is still being read by a store;
+1. ``handle_preemptions`` (before the forward pass): nothing. A store still
+   copying reads blocks that vLLM cannot reallocate: the scheduler pins them
+   until every worker reported the store (connector/store_pins.py, which
+   names the vLLM code this relies on). No fence here could protect them: the
+   V2 model runner zeroes and copies into newly allocated blocks before this
+   hook runs, and the forward pass never writes the full blocks a store reads;
 2. ``start_load_kv``: submit the step's loads. Sync mode (default): vLLM calls
    it before the forward pass and it returns once the blocks hold their KV.
    Async mode: vLLM holds the requests until ``get_finished`` reports them;
@@ -62,7 +66,7 @@ class TierCacheWorker(WorkerFaults):
         self._report = TierCacheWorkerMetadata()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = KVBlockLayout.from_kv_caches(kv_caches, self.num_blocks)
+        layout = KVBlockLayout.from_kv_caches(kv_caches, self.num_blocks, layout_name=self.geometry.engine.kv_layout)
         expected = self.geometry.engine.bytes_per_block
         if layout.bytes_per_block != expected:
             raise ConfigError(
@@ -77,6 +81,7 @@ class TierCacheWorker(WorkerFaults):
             self.geometry.host_slots,
             faults=self.config.faults,
             copy_threads=self.config.copy_threads,
+            cuda_copy=self.config.cuda_copy,
             prefault_host=slab.prefault,
             huge_host=slab.huge_pages,
             slot_layout=slab.layout,
@@ -97,9 +102,10 @@ class TierCacheWorker(WorkerFaults):
             self.geometry.host_slots,
             self.geometry.slot_bytes,
             slab.layout,
-            "pinned" if transfer.host.pinned else "pageable, prefaulted" if transfer.host.prefaulted else "pageable",
+            transfer.host.describe_pinning() + (", prefaulted" if transfer.host.prefaulted else ""),
             sorted(backends) or "none",
         )
+        self._report.host_pinned_bytes = transfer.host.pinned_bytes  # once: tiercache_host_pinned_bytes
 
     def _store_shards(self, kv_caches: dict[str, torch.Tensor]) -> tuple[ShardSet, HeadSlicer | None]:
         """This rank's store shards for lower tiers: by KV head, or by rank if pages cannot be cut."""
@@ -124,8 +130,8 @@ class TierCacheWorker(WorkerFaults):
         return self.engine
 
     def handle_preemptions(self, meta: TierCacheConnectorMetadata) -> None:
-        if self.engine is not None:
-            self.engine.fence_stores()
+        """Nothing to do: stores in flight keep their blocks through the scheduler's pins (see above)."""
+        del meta
 
     def start_load_kv(self, meta: TierCacheConnectorMetadata) -> None:
         engine = self._engine()
@@ -138,8 +144,8 @@ class TierCacheWorker(WorkerFaults):
         if meta.loads and meta.loads_are_sync:
             # vLLM calls this before the forward pass when a step has sync loads; the
             # blocks must hold their KV before attention reads them (staged chunks are
-            # read from their lower tier first, until deadlines.load_s). Earlier stores
-            # were fenced already.
+            # read from their lower tier first, until deadlines.load_s). Stores in flight
+            # read other blocks (pinned by the scheduler: connector/store_pins.py).
             self._wait_sync(engine, [job.job_id for job in meta.loads if job.job_id in self._loads])
 
     def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
@@ -192,7 +198,8 @@ class TierCacheWorker(WorkerFaults):
     def build_worker_meta(self) -> TierCacheWorkerMetadata | None:
         for reason, n in faults.take().items():  # this process's faults: counted by the scheduler
             self._report.faults[reason] = self._report.faults.get(reason, 0) + n
-        if not (self._report.done or self._report.pd or self._report.faults):
+        if not (self._report.done or self._report.pd or self._report.faults
+                or self._report.host_pinned_bytes is not None):
             return None
         report, self._report = self._report, TierCacheWorkerMetadata()
         return report

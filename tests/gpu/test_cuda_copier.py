@@ -3,8 +3,9 @@
 The same store/load round trip as the host copier's, between device KV
 tensors and a pinned slab, plus the stream-ordering contract
 (docs/architecture.md, Ownership and threads): a store reads what the compute stream wrote before it was
-submitted, ``fence_stores`` keeps the compute stream from overwriting blocks
-a store is still reading, and a load is reported only once its copy is done.
+submitted, a store is reported only once its copy has read the blocks (the
+scheduler's store pins rely on it), and a load is reported only once its copy is
+done or, for a sync load, ordered before the compute stream.
 ``torch.cuda._sleep`` keeps a stream busy so that a missing event would show
 up as a race that loses.
 """
@@ -180,20 +181,34 @@ def test_store_sees_what_the_compute_stream_wrote_before_submit(copiers: list, m
     assert bool((copier.slab[0].view(torch.float32) == 3.0).all())
 
 
-def test_fence_stores_holds_back_overwrites(copiers: list) -> None:
-    kvs = make_kvs(torch.float32, False)
-    for t in kvs.values():
-        t.fill_(1.0)
-    copier = new_copier(kvs, 1, copiers)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)  # the store below starts only after this
-    copier.submit(CopyJob(1, "store", (CopySegment(0, 0, tuple(range(BPC))),)))
-    copier.fence_stores()  # the next forward pass: must not overwrite blocks still being read
-    for t in kvs.values():
-        t[:BPC].fill_(2.0)
-    torch.cuda.synchronize()
-    assert copier.wait_all()[0].ok
-    assert bool((copier.slab[0].view(torch.float32) == 1.0).all())
+def test_store_reported_only_after_its_copy_read_the_blocks(copiers: list, method: str) -> None:
+    """The CUDA half of the store pins (connector/store_pins.py): the scheduler lets vLLM reuse a
+    store's blocks once the store is reported, so a report must mean the device finished reading.
+    Negative control: blocks overwritten before the report (an unpinned reuse, as vLLM 0.32's V2
+    runner zeroes new blocks before any connector hook) corrupt the stored chunk."""
+    for reuse_before_report in (False, True):
+        kvs = make_kvs(torch.float32, False)
+        for t in kvs.values():
+            t.fill_(1.0)
+        copier = new_copier(kvs, 1, copiers, method)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(copier._store_stream):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the store's copy starts late
+        copier.submit(CopyJob(1, "store", (CopySegment(0, 0, tuple(range(BPC))),)))
+        if not reuse_before_report:
+            assert copier.poll() == []  # not reported while its copy has not run
+            done = []
+            while not done:
+                done = copier.poll()
+            assert done[0].ok
+        for t in kvs.values():
+            t[:BPC].zero_()  # the runner zeroes the reallocated blocks on the compute stream
+        copier.wait_all()
+        stored = copier.slab[0].view(torch.float32)
+        if reuse_before_report:
+            assert not bool((stored == 1.0).all())  # the race is real
+        else:
+            assert bool((stored == 1.0).all())
 
 
 def test_load_reported_only_after_its_copy(copiers: list) -> None:

@@ -310,31 +310,6 @@ def test_poll_drains_without_waiting(closing: list, monkeypatch: pytest.MonkeyPa
     assert [d.job_id for d in polled] == [1]
 
 
-def test_fence_stores_waits_for_stores(
-    threads: int, closing: list, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    copier = new_copier(make_kvs(torch.float32, kv_split=False), 4, threads)
-    closing.append(copier)
-    release = gate_first_job(copier, monkeypatch)
-    copier.submit(CopyJob(1, "store", (CopySegment(0, 0, (0, 1, 2, 3)),)))
-    copier.submit(CopyJob(2, "store", (CopySegment(1, 0, (4, 5, 6, 7)),)))
-    fenced = threading.Event()
-    fence = threading.Thread(target=lambda: (copier.fence_stores(), fenced.set()))
-    fence.start()
-    assert not fenced.wait(0.3), "fence_stores returned while a store was still copying"
-    release.set()
-    assert fenced.wait(10)
-    fence.join()
-    assert [d.job_id for d in copier.poll()] == [1, 2]
-
-
-def test_fence_stores_without_stores_returns(closing: list) -> None:
-    copier = new_copier(make_kvs(torch.float32, kv_split=False), 1, 2)
-    closing.append(copier)
-    copier.fence_stores()
-    assert copier.wait_all() == []
-
-
 def test_jobs_split_across_threads_report_once(closing: list) -> None:
     """A job of many segments is copied in parts by both threads; it reports once, all bytes."""
     kvs = make_kvs(torch.bfloat16, kv_split=True)

@@ -94,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
     results: list[RoundResult] = []
     before = _tier_hits(url)
     for index in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        llm.reset_prefix_cache()  # the engine forgets; tiercache does not
+        er.reset_prefix_cache(llm)  # the engine forgets; tiercache does not (retried: store pins)
         ttfts: list[float] = []
         outputs: list[list[int]] = []
         cached = 0

@@ -105,6 +105,7 @@ __all__ = [
     "main",
     "random_prompts",
     "request_record",
+    "reset_prefix_cache",
     "round_kv_params",
     "run_engine",
     "run_spec",
@@ -198,6 +199,24 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
     return llm.generate(batch, per_request, use_tqdm=False)
 
 
+def reset_prefix_cache(llm: Any, reset_connector: bool = False, timeout_s: float = 5.0,
+                       what: str = "reset_prefix_cache()") -> None:
+    """``llm.reset_prefix_cache()``, retried until it succeeds; raises if it still fails after ``timeout_s``.
+
+    vLLM's reset fails (returns False) while any KV block is referenced. Right after
+    ``LLM.generate`` returns, tiercache's connector may still pin the blocks of the last
+    step's stores until every worker reported their copies done (connector/store_pins.py);
+    the engine core keeps stepping meanwhile (``has_pending_push_work``), so the pins go
+    within a step or two. With ``reset_connector`` each try also resets the connector: the
+    try that succeeds comes after every store finished, so none lands after the reset.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache(reset_connector=reset_connector):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} returned False for {timeout_s:g} s: some KV blocks stay referenced")
+        time.sleep(0.01)
+
+
 def round_kv_params(rnd: dict[str, Any], n: int) -> list[dict[str, Any] | None] | None:
     """The round's per-request kv_transfer_params (inline or from a file), or None."""
     value = rnd.get("kv_transfer_params")
@@ -238,8 +257,8 @@ def _run_conversation(llm: Any, conv: dict[str, Any]) -> dict[str, Any]:
     for turn in range(turns):
         if turn:
             prompt = prompt + records[-1]["output_token_ids"] + list(user_tokens[turn - 1])
-            if reset_between and not llm.reset_prefix_cache():
-                raise RuntimeError(f"conversation turn {turn}: reset_prefix_cache() returned False")
+            if reset_between:
+                reset_prefix_cache(llm, what=f"conversation turn {turn}: reset_prefix_cache()")
         start = time.perf_counter()
         (output,) = generate(llm, [prompt], conv["max_tokens"])
         turn_walls.append(time.perf_counter() - start)
@@ -284,9 +303,7 @@ def wait_at_barrier(spec: dict[str, Any], name: str, rounds_so_far: list[dict[st
 def _run_round(llm: Any, index: int, rnd: dict[str, Any], metrics_url: str | None = None) -> dict[str, Any]:
     reset = bool(rnd.get("reset_prefix_cache_before", False))
     if reset:
-        reset_connector = bool(rnd.get("reset_connector", False))
-        if not llm.reset_prefix_cache(reset_connector=reset_connector):
-            raise RuntimeError(f"round {index}: reset_prefix_cache() returned False")
+        reset_prefix_cache(llm, bool(rnd.get("reset_connector", False)), what=f"round {index}: reset_prefix_cache()")
     if "conversation" in rnd:
         result = _run_conversation(llm, rnd["conversation"])
     elif "worker_call" in rnd:

@@ -56,7 +56,6 @@ class CudaStreamCopier(BlockCopier):
         self._store_stream = torch.cuda.Stream(device=device)
         self._load_stream = torch.cuda.Stream(device=device)
         self._inflight: deque[_InFlight] = deque()
-        self._last_store_done: torch.cuda.Event | None = None
 
     def _run(self, job: CopyJob) -> int:
         if self.executor is None:
@@ -83,8 +82,6 @@ class CudaStreamCopier(BlockCopier):
             except Exception as exc:  # noqa: BLE001 - a failed copy is a failed job
                 error = repr(exc)
             done.record(stream)
-        if job.direction == "store":
-            self._last_store_done = done
         self._inflight.append(_InFlight(job, start, done, moved, error, time.perf_counter()))
 
     def poll(self) -> list[CopyDone]:
@@ -117,10 +114,6 @@ class CudaStreamCopier(BlockCopier):
     @property
     def orders_on_device(self) -> bool:
         return True
-
-    def fence_stores(self) -> None:
-        if self._last_store_done is not None:
-            torch.cuda.current_stream(self.layout.device).wait_event(self._last_store_done)
 
     def wait_all(self) -> list[CopyDone]:
         self._store_stream.synchronize()

@@ -20,16 +20,19 @@ module, and :func:`tiercache.transfer.copiers.make_copier` picks one:
 
 The ordering contract, the bug class of vLLM issue 45704:
 
-* a block is not reused by the engine until its store copy is done:
-  :meth:`fence_stores` is called before every forward pass (vLLM's
-  ``handle_preemptions`` hook); on CUDA it makes the compute stream wait on the
-  last store event (no host sync), on the CPU it waits for the copy thread;
-* a loaded block is not read by attention until its copy is done: a load is
-  reported finished only once its copy completed (thread done / event
-  reached), and vLLM schedules the request only after that report.
+* a block is not reused by the engine until its store copy is done: the
+  scheduler pins a store's source blocks in vLLM's block pool until every rank
+  reported the job (tiercache/connector/store_pins.py), so a copier reports a
+  store only once its copy has finished reading (thread done / done event
+  reached) and never needs to hold the forward pass back;
+* a loaded block is not read by attention until its copy is done: a sync load
+  is awaited on the host (CPU) or ordered before the compute stream
+  (:meth:`BlockCopier.order_before_compute`, CUDA); an async load is reported
+  finished only once its copy completed, and vLLM schedules the request only
+  after that report.
 
-Threading: ``submit``, ``poll``, ``fence_stores`` and ``close`` are called from
-the worker's main thread only.
+Threading: ``submit``, ``poll``, ``order_before_compute`` and ``close`` are
+called from the worker's main thread only.
 """
 
 from __future__ import annotations
@@ -184,9 +187,6 @@ class BlockCopier(ABC):
 
     @abstractmethod
     def poll(self) -> list[CopyDone]: ...
-
-    @abstractmethod
-    def fence_stores(self) -> None: ...
 
     @abstractmethod
     def wait_all(self) -> list[CopyDone]: ...

@@ -88,10 +88,6 @@ class TransferEngine:
                            type(exc).__name__, exc)
             self._failed_now.append(JobResult(job.job_id, (), job.keys, 0, 0.0))
 
-    def fence_stores(self) -> None:
-        """Block reuse barrier: call before a forward pass may overwrite engine blocks."""
-        self.copier.fence_stores()
-
     @property
     def orders_on_device(self) -> bool:
         """Whether loads can be ordered before the engine's compute without a host wait (CUDA)."""

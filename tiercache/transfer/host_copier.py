@@ -55,9 +55,7 @@ class HostThreadCopier(BlockCopier):
     where a second core is free. The numpy copies release the GIL (see
     ``GIL_FREE_ITEMS``); each part costs about ten microseconds of Python.
 
-    Results are released in submission order, so :meth:`poll` is FIFO and
-    :meth:`fence_stores` waits for every store submitted so far (and whatever
-    was submitted before it).
+    Results are released in submission order, so :meth:`poll` is FIFO.
     """
 
     def __init__(
@@ -79,7 +77,6 @@ class HostThreadCopier(BlockCopier):
         self._ready: deque[CopyDone] = deque()  # finished, in submission order, not yet polled
         self._submitted = 0  # jobs submitted (main thread only)
         self._finished = 0  # jobs 1.._finished are all finished (under _progress)
-        self._last_store = 0  # submission number of the latest store
         self._awaited = 0  # _wait_for's target while the main thread waits, else 0 (under _progress)
         # The threads hold the copier weakly: one dropped without close() is
         # collected, and the finalizer (also run at interpreter exit) stops them
@@ -109,8 +106,6 @@ class HostThreadCopier(BlockCopier):
         parts = _split(job, self.threads)
         self._submitted += 1
         seq = self._submitted
-        if job.direction == "store":
-            self._last_store = seq
         with self._progress:
             self._running[seq] = _JobProgress(job, len(parts))
         for part in parts:
@@ -160,9 +155,6 @@ class HostThreadCopier(BlockCopier):
             while self._finished < count:
                 self._progress.wait()
             self._awaited = 0
-
-    def fence_stores(self) -> None:
-        self._wait_for(self._last_store)  # failures are reported by poll()
 
     def wait_all(self) -> list[CopyDone]:
         self._wait_for(self._submitted)

@@ -163,9 +163,6 @@ class WorkerPipeline:
             for tier, keys in deletes.items():
                 self.tier_io.delete(tier, keys)
 
-    def fence_stores(self) -> None:
-        self.engine.fence_stores()
-
     def abandon(self, job_ids: Iterable[int]) -> None:
         """Give up the blocks of loads still reading (their caller reported them failed already):
         no device copy will write them; each job still ends in one result and one report."""
