@@ -81,7 +81,12 @@ def calls_per_chunk(engine: TransferEngine, stores: Sequence[TransferJob]) -> fl
     executor = copier.executor
     counts = []
     for plan in _plans(engine, stores, True):
-        which = np.searchsorted(executor._bases, plan.engine_ptrs, side="right") - 1  # noqa: SLF001
+        chosen = executor.pick(plan) if hasattr(executor, "pick") else executor
+        if chosen.name in ("vllm_batch", "driver_batch"):
+            counts.append(1)
+            continue
+        executor_bases = chosen._bases  # noqa: SLF001
+        which = np.searchsorted(executor_bases, plan.engine_ptrs, side="right") - 1
         windows = len(np.unique(which))
         counts.append(2 * windows + len(plan.host_runs()[0]))  # index upload + kernel per window, DMAs
     return statistics.fmean(counts)

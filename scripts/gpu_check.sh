@@ -97,7 +97,7 @@ timeout 240 "$PY" "$SHIM" pytest -q -rA tests/gpu -p no:cacheprovider "${PER_TES
   | tee "$OUT/gpu_tests.log"
 RC[tests]=$?
 
-METHODS=${TC_CUDA_COPY:-gather,driver_batch,per_run}
+METHODS=${TC_CUDA_COPY:-auto,gather,driver_batch,per_run}
 bench() {  # name, time limit, args...
   local name=$1 limit=$2; shift 2
   step "bench: $name"

@@ -9,6 +9,9 @@ a multiple of it when the attention kernel's blocks are smaller than the
 manager's) and exposes every page run as a ``(num_blocks, page_bytes)`` uint8
 view, a *region*. A page is copied as raw bytes in memory order, so a layout
 whose dimensions inside a block are permuted (vLLM's HND) works unchanged.
+A layout whose block holds no contiguous page per layer (vLLM 0.32's LHBNC
+and BHLNC with more than one KV head) is refused with a :class:`LayoutError`
+(tests/unit/test_vllm_layouts.py covers every layout vLLM hands over).
 
 A chunk slot in the host tier is laid out region-major::
 
@@ -63,13 +66,23 @@ class KVBlockLayout:
         return region_offsets(self.page_bytes, blocks_per_chunk)
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> KVBlockLayout:
-        """Build the layout from vLLM's ``{layer_name: tensor}`` (layers sharing memory count once)."""
+    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int,
+                       layout_name: str = "") -> KVBlockLayout:
+        """Build the layout from vLLM's ``{layer_name: tensor}`` (layers sharing memory count once).
+
+        ``layout_name``: what the engine calls its KV layout (vLLM's resolved KV-cache
+        layout, say ``LHBNC``), named in the :class:`LayoutError` of a layout refused here.
+        """
         if not kv_caches:
             raise LayoutError("no KV cache tensors were registered")
         regions: list[torch.Tensor] = []
-        for name, tensor in distinct_layers(kv_caches):
-            regions.extend(_regions_of(name, tensor, num_blocks))
+        try:
+            for name, tensor in distinct_layers(kv_caches):
+                regions.extend(_regions_of(name, tensor, num_blocks))
+        except LayoutError as exc:
+            if not layout_name:
+                raise
+            raise LayoutError(f"tiercache cannot use the KV-cache layout {layout_name}: {exc}") from None
         return cls(
             regions=tuple(regions),
             page_bytes=tuple(r.shape[1] for r in regions),
@@ -183,9 +196,10 @@ def _check_pages(name: str, tensor: torch.Tensor, sub: torch.Tensor) -> None:
     apart = sub.shape[0] == 1 or abs(sub.stride(0)) >= page
     if not (dense and apart):
         raise LayoutError(
-            f"layer {name}: one block's data is not a contiguous byte range (shape "
+            f"layer {name}: one block's data is not a contiguous byte range ({tensor.dtype}, shape "
             f"{tuple(tensor.shape)}, stride {tuple(tensor.stride())}); tiercache needs "
-            f"per-block contiguous pages"
+            f"per-block contiguous pages (vLLM's LHBNC and BHLNC cut a layer's block by KV head: "
+            f"set VLLM_KV_CACHE_LAYOUT to one of LBNHC, LBHNC, BLNHC, BLHNC your attention backend takes)"
         )
 
 

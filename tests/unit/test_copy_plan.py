@@ -197,6 +197,20 @@ def test_one_shared_buffer_is_one_window() -> None:
     assert len(engine_windows(layout)) == 3
 
 
+def test_auto_sends_large_runs_to_the_batched_dma() -> None:
+    from tiercache.transfer.cuda_batch import DMA_RUN_BYTES, AutoExecutor
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    auto = AutoExecutor(Named("driver_batch"), Named("gather"))
+    one = np.ones(4, np.int64)
+    assert auto.pick(CopyPlan(True, one, one, one * DMA_RUN_BYTES)).name == "driver_batch"
+    assert auto.pick(CopyPlan(True, one, one, one * (DMA_RUN_BYTES // 2))).name == "gather"
+    assert auto.pick(CopyPlan(True, one[:0], one[:0], one[:0])).name == "gather"
+
+
 def test_auto_on_cpu_picks_the_gather_executor() -> None:
     layout = KVBlockLayout.from_kv_caches(LAYOUTS["shared-nhd"](0), NUM_BLOCKS)
     slab = torch.zeros((SLOTS, layout.slot_bytes(BPC)), dtype=torch.uint8)

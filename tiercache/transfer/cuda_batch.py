@@ -24,8 +24,12 @@ number of pages, and never waits for them:
   ``copy_`` per run of consecutive blocks per region: the old path, kept as
   the benchmark's baseline.
 
-:func:`pick_executor` chooses (``auto``: ``vllm_batch`` where available,
-else ``gather``). Who owns what: an executor holds views of the engine's KV
+:func:`pick_executor` chooses. ``auto``: ``vllm_batch`` where available;
+else, where the driver has ``cuMemcpyBatchAsync``, :class:`AutoExecutor`, which
+sends a plan whose runs average at least ``DMA_RUN_BYTES`` to ``driver_batch``
+(large pages: the copy engines read the pages in place, no device pass) and
+smaller ones to ``gather`` (many small DMAs are slow, one kernel is not);
+else ``gather``. See docs/PERFORMANCE.md for the measurements behind it. Who owns what: an executor holds views of the engine's KV
 buffers (it never frees them) and of the slab; the plan's index tensors and
 staging buffers are the caller's stream's, freed to the caching allocator once
 the call returns (their reuse waits for the stream).
@@ -45,6 +49,7 @@ from tiercache.transfer.cuda_driver_batch import DriverBatchExecutor, driver_bat
 
 CopyMethod = Literal["auto", "vllm_batch", "driver_batch", "gather", "per_run"]
 STAGING_PIECE_BYTES = 256 << 20  # a job larger than this is gathered in pieces (bounds device staging)
+DMA_RUN_BYTES = 64 << 10  # auto: plans whose runs average this or more go to the batched DMA
 
 
 class PlanExecutor(Protocol):
@@ -208,6 +213,21 @@ def _pieces(plan: CopyPlan, limit: int) -> Sequence[CopyPlan]:
     )
 
 
+class AutoExecutor:
+    """Per plan: the batched DMA for large runs, the device gather for small ones."""
+
+    name = "auto"
+
+    def __init__(self, dma: PlanExecutor, gather: PlanExecutor, run_bytes: int = DMA_RUN_BYTES) -> None:
+        self.dma, self.gather, self.run_bytes = dma, gather, run_bytes
+
+    def pick(self, plan: CopyPlan) -> PlanExecutor:
+        return self.dma if plan.count and plan.nbytes >= self.run_bytes * plan.count else self.gather
+
+    def run(self, plan: CopyPlan) -> int:
+        return self.pick(plan).run(plan)
+
+
 def pick_executor(method: CopyMethod, layout: KVBlockLayout, slab: torch.Tensor) -> PlanExecutor | None:
     """The executor for ``method`` (None: ``per_run``, the copier's old path). ``vllm_batch``
     asked for but missing is an error; ``auto`` falls back to ``gather``."""
@@ -224,7 +244,10 @@ def pick_executor(method: CopyMethod, layout: KVBlockLayout, slab: torch.Tensor)
             return VllmBatchExecutor(op)
         if method == "vllm_batch":
             raise ValueError("cuda_copy: vllm_batch needs a CUDA build of vLLM with swap_blocks_batch")
+        fn = driver_batch() if layout.device.type == "cuda" else None
+        if fn is not None:
+            return AutoExecutor(DriverBatchExecutor(fn), GatherExecutor(layout, slab))
     return GatherExecutor(layout, slab)
 
 
-__all__ = ["CopyMethod", "GatherExecutor", "PlanExecutor", "VllmBatchExecutor", "pick_executor"]
+__all__ = ["AutoExecutor", "CopyMethod", "GatherExecutor", "PlanExecutor", "VllmBatchExecutor", "pick_executor"]
