@@ -83,7 +83,7 @@ def copiers() -> Iterator[list[CudaStreamCopier]]:
 
 
 METHODS = ["gather", "per_run", *(["vllm_batch"] if vllm_batch_op() is not None else []),
-           *(["driver_batch"] if driver_batch() is not None else [])]
+           *(["driver_batch", "auto"] if driver_batch() is not None else [])]
 
 
 @pytest.fixture(params=METHODS)
