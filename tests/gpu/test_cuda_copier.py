@@ -305,3 +305,24 @@ def test_random_jobs_match_the_per_run_path(hnd: bool, batched: str, copiers: li
         reference.submit(CopyJob(100 + trial, "load", back))
         assert reference.wait_all()[0].ok
         assert torch.equal(ours.view(torch.int16), raw.view(torch.int16))
+
+
+def test_pinned_ring_never_overwrites_a_queued_upload() -> None:
+    """The gather executor's index uploads (tiercache/transfer/pinned_ring.py): a wrap onto an
+    upload the stream has not reached yet waits for it, so every upload lands intact."""
+    from tiercache.transfer.pinned_ring import PinnedRing
+
+    ring = PinnedRing(1000, torch.device("cuda"))
+    stream = torch.cuda.Stream()
+    outs, wanted = [], []
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # every upload below is queued behind this
+        for i in range(5):
+            values = np.arange(600, dtype=np.int64) + 1000 * i
+            outs.append(ring.upload(values))  # 600 + 600 > 1000: each one wraps onto the last
+            wanted.append(values)
+    torch.cuda.synchronize()
+    for got, values in zip(outs, wanted):
+        assert np.array_equal(got.cpu().numpy(), values)
+    big = np.arange(5000, dtype=np.int64)  # larger than the ring: a one-off pinned copy
+    assert np.array_equal(ring.upload(big).cpu().numpy(), big)

@@ -46,10 +46,12 @@ import torch
 from tiercache.layout import KVBlockLayout
 from tiercache.transfer.copy_plan import CopyPlan
 from tiercache.transfer.cuda_driver_batch import DriverBatchExecutor, driver_batch
+from tiercache.transfer.pinned_ring import PinnedRing
 
 CopyMethod = Literal["auto", "vllm_batch", "driver_batch", "gather", "per_run"]
 STAGING_PIECE_BYTES = 256 << 20  # a job larger than this is gathered in pieces (bounds device staging)
 DMA_RUN_BYTES = 64 << 10  # auto: plans whose runs average this or more go to the batched DMA
+INDEX_RING_ENTRIES = 1 << 20  # pinned int64 row indices (8 MiB): many jobs' uploads in flight
 
 
 class PlanExecutor(Protocol):
@@ -121,6 +123,8 @@ class GatherExecutor:
         self._bases = np.asarray([w.base for w in self.windows], np.int64)
         self.slab = slab.view(-1)
         self.slab_base = self.slab.data_ptr()
+        # row indices go up through one pinned ring (tiercache/transfer/pinned_ring.py)
+        self._ring = PinnedRing(INDEX_RING_ENTRIES, self.device) if self.device.type == "cuda" else None
 
     def run(self, plan: CopyPlan) -> int:
         for piece in _pieces(plan, STAGING_PIECE_BYTES):
@@ -143,7 +147,7 @@ class GatherExecutor:
                 host = int(plan.host_ptrs[start]) - self.slab_base
                 stage_bytes[off:off + length].copy_(self.slab[host:host + length], non_blocking=True)
         first_rows = offsets // item
-        for w in np.unique(which).tolist():
+        for w in (np.unique(which).tolist() if len(self.windows) > 1 else [0]):
             mine = which == w
             src_rows = _expand(first_rows[mine], rows[mine])
             window = self.windows[w].bytes
@@ -169,12 +173,11 @@ class GatherExecutor:
 
 
     def _indices(self, rows: np.ndarray) -> torch.Tensor:
-        """Row indices on the device. From pinned memory: a copy from pageable memory would first
-        wait for the whole copy stream, i.e. for the forward pass the job is ordered after."""
-        host = torch.from_numpy(rows)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """Row indices on the device, uploaded from the pinned ring: a copy from pageable memory
+        would first wait for the whole copy stream, i.e. for the forward pass the job follows."""
+        if self._ring is None:
+            return torch.from_numpy(rows)
+        return self._ring.upload(rows)
 
 
 def _item_bytes(sizes: np.ndarray, offsets: np.ndarray) -> int:
