@@ -26,7 +26,7 @@ from tiercache.transfer.engine import TransferEngine
 
 
 def _plans(engine: TransferEngine, jobs: Sequence[TransferJob], store: bool) -> list[CopyPlan]:
-    geometry = engine.copier._geometry  # noqa: SLF001 - the bench measures the copier's own plans
+    geometry = engine.copier._geometry
     return [plan_copy(geometry, store, job.segments) for job in jobs]
 
 
@@ -85,7 +85,7 @@ def calls_per_chunk(engine: TransferEngine, stores: Sequence[TransferJob]) -> fl
         if chosen.name in ("vllm_batch", "driver_batch"):
             counts.append(1)
             continue
-        executor_bases = chosen._bases  # noqa: SLF001
+        executor_bases = chosen._bases
         which = np.searchsorted(executor_bases, plan.engine_ptrs, side="right") - 1
         windows = len(np.unique(which))
         counts.append(2 * windows + len(plan.host_runs()[0]))  # index upload + kernel per window, DMAs

@@ -66,9 +66,8 @@ from typing import TYPE_CHECKING
 from tiercache.connector.block_pins import BlockPins, VllmBlockPins
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
     from tiercache.connector.scheduler_state import JobRecord
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 
 class StorePins:

@@ -9,6 +9,10 @@
   test side that starts it and waits for its result);
 * ``raw_nixl``: raw NIXL UCX READs between plain memory, the P/D ceiling, also
   measured from inside a decode engine's worker (bench/pd.py).
+* ``vllm_views``: the KV views vLLM 0.32 hands a connector, built with vLLM's own
+  code (or tables proven equal to it where vLLM is absent), and
+  ``layout_checks``: the token-by-token round trip of such views through the
+  host tier (tests/unit/test_vllm_layouts.py, tests/gpu/test_layouts_cuda.py).
 
 The backend conformance kit (``conformance``: the contract tests;
 ``conformance_shards``: the same medium through store shards;

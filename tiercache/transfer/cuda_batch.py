@@ -65,7 +65,7 @@ class PlanExecutor(Protocol):
 def vllm_batch_op() -> object | None:
     """vLLM's ``swap_blocks_batch`` if the installed vLLM is a CUDA build that has it, else None."""
     try:
-        from vllm import _custom_ops as ops  # noqa: PLC0415 - optional, heavy
+        from vllm import _custom_ops as ops
     except Exception:  # noqa: BLE001 - no vLLM, or a build without CUDA ops
         return None
     op = getattr(ops, "swap_blocks_batch", None)

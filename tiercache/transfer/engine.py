@@ -17,16 +17,17 @@ Threading: every method is called from the worker's main thread.
 from __future__ import annotations
 
 import logging
+
 import torch
 
 from tiercache.backend import JobResult
-from tiercache.transfer.host_slab import HostSlab
 from tiercache.config.schema import FaultConfig
+from tiercache.jobs import LoadJob, TransferJob
+from tiercache.layout import KVBlockLayout, SlotLayout, slab_planes
 from tiercache.transfer.copiers import make_copier
 from tiercache.transfer.cuda_batch import CopyMethod
-from tiercache.jobs import LoadJob, TransferJob
 from tiercache.transfer.device import BlockCopier, CopyJob, Direction, zero_blocks
-from tiercache.layout import KVBlockLayout, SlotLayout, slab_planes
+from tiercache.transfer.host_slab import HostSlab
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.transfer.copy_plan import PlanGeometry, plan_copy, run_plan_on_host
-from tiercache.transfer.device import BlockCopier, CopyDone, CopyJob, check_segment, default_copy_threads
-from tiercache.transfer.host_gather import HostSegmentCopier
 from tiercache.layout import KVBlockLayout
+from tiercache.transfer.copy_plan import PlanGeometry, plan_copy, run_plan_on_host
+from tiercache.transfer.device import (
+    BlockCopier,
+    CopyDone,
+    CopyJob,
+    check_segment,
+    default_copy_threads,
+)
+from tiercache.transfer.host_gather import HostSegmentCopier
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tiercache.transfer.device import CopyJob, check_segment
 from tiercache.layout import KVBlockLayout
+from tiercache.transfer.device import CopyJob, check_segment
 
 # Below this item size a numpy take/put moves too few bytes per item to pay off.
 MIN_ITEM_BYTES = 64
