@@ -105,6 +105,11 @@ def job_blocks(segments: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if not segments:
         empty = np.zeros(0, np.int64)
         return empty, empty, empty
+    if len(segments) == 1:  # the common job: one chunk (a few microseconds less)
+        seg = segments[0]
+        ids = np.asarray(seg.block_ids, np.int64)
+        return ids, np.full(ids.size, seg.slot, np.int64), np.arange(seg.first_block, seg.first_block + ids.size,
+                                                                     dtype=np.int64)
     ids = np.concatenate([np.asarray(seg.block_ids, np.int64) for seg in segments])
     lengths = np.asarray([len(seg.block_ids) for seg in segments], np.int64)
     slots = np.repeat(np.asarray([seg.slot for seg in segments], np.int64), lengths)
@@ -124,10 +129,11 @@ def plan_copy(geometry: PlanGeometry, store: bool, segments: Sequence) -> CopyPl
         host = g.host_base[:, None] + (slots * g.blocks_per_chunk + positions)[None, :] * g.block_step[:, None]
     else:
         host = g.host_base[:, None] + (slots * g.slot_step)[None, :] + positions[None, :] * g.block_step[:, None]
-    sizes = np.broadcast_to(g.page[:, None], engine.shape)
-    engine, host, sizes = engine.reshape(-1), host.reshape(-1), sizes.reshape(-1)
-    order = np.argsort(host, kind="stable")
-    return merge_runs(store, engine[order], host[order], sizes[order])
+    engine, host, sizes = engine.reshape(-1), host.reshape(-1), np.repeat(g.page, ids.size)
+    if host.size > 1 and not (host[1:] > host[:-1]).all():  # a single chunk is in host order already
+        order = np.argsort(host, kind="stable")
+        engine, host, sizes = engine[order], host[order], sizes[order]
+    return merge_runs(store, engine, host, sizes)
 
 
 def merge_runs(store: bool, engine: np.ndarray, host: np.ndarray, sizes: np.ndarray) -> CopyPlan:

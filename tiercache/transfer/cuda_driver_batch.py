@@ -89,9 +89,10 @@ class DriverBatchExecutor:
     def run(self, plan: CopyPlan) -> int:
         if not plan.count:
             return 0
-        dsts = np.ascontiguousarray(plan.dst_ptrs, dtype=np.uint64)
-        srcs = np.ascontiguousarray(plan.src_ptrs, dtype=np.uint64)
-        sizes = np.ascontiguousarray(plan.sizes, dtype=np.uint64)
+        # the plan's int64 arrays as the driver's unsigned ones, without copies where they are contiguous
+        dsts = np.ascontiguousarray(plan.dst_ptrs).view(np.uint64)
+        srcs = np.ascontiguousarray(plan.src_ptrs).view(np.uint64)
+        sizes = np.ascontiguousarray(plan.sizes).view(np.uint64)
         fail = ctypes.c_size_t(0)
         stream = torch.cuda.current_stream().cuda_stream
         rc = self._fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, plan.count,
