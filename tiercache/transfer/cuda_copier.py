@@ -53,7 +53,6 @@ class CudaStreamCopier(BlockCopier):
         self.executor: PlanExecutor | None = pick_executor(method, layout, slab)
         self.method = self.executor.name if self.executor is not None else "per_run"
         self._geometry = PlanGeometry.of(layout, slab, blocks_per_chunk, planes)
-        self._device_index = torch.cuda._utils._get_device_index(device, optional=True)  # once, not per job
         self._store_stream = torch.cuda.Stream(device=device)
         self._load_stream = torch.cuda.Stream(device=device)
         self._inflight: deque[_InFlight] = deque()
@@ -67,7 +66,7 @@ class CudaStreamCopier(BlockCopier):
         return self.executor.run(plan_copy(self._geometry, job.direction == "store", job.segments))
 
     def submit(self, job: CopyJob) -> None:
-        compute = torch.cuda.current_stream(self._device_index)
+        compute = torch.cuda.current_stream(self.layout.device)
         ready = torch.cuda.Event()
         ready.record(compute)
         stream = self._store_stream if job.direction == "store" else self._load_stream
@@ -75,8 +74,7 @@ class CudaStreamCopier(BlockCopier):
         done = torch.cuda.Event(enable_timing=True)
         error = ""
         moved = 0
-        torch.cuda.set_stream(stream)  # not torch.cuda.stream(): its context costs more per job
-        try:
+        with torch.cuda.stream(stream):
             stream.wait_event(ready)
             start.record(stream)
             try:
@@ -84,8 +82,6 @@ class CudaStreamCopier(BlockCopier):
             except Exception as exc:  # noqa: BLE001 - a failed copy is a failed job
                 error = repr(exc)
             done.record(stream)
-        finally:
-            torch.cuda.set_stream(compute)
         self._inflight.append(_InFlight(job, start, done, moved, error, time.perf_counter()))
 
     def poll(self) -> list[CopyDone]:
@@ -110,7 +106,7 @@ class CudaStreamCopier(BlockCopier):
     def order_before_compute(self, job_ids: Iterable[int]) -> None:
         """The compute stream waits for these jobs' copies (no host wait); unknown or polled ids are done."""
         wanted = set(job_ids)
-        compute = torch.cuda.current_stream(self._device_index)
+        compute = torch.cuda.current_stream(self.layout.device)
         for item in self._inflight:
             if item.job.job_id in wanted:
                 compute.wait_event(item.done)
