@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.config import VllmConfig
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from tiercache.config.schema import ConfigError, TierCacheConfig
+from tiercache.connector.kv_groups import KVGroup, describe_groups, engine_groups
 from tiercache.keys import KeySpace, Namespace
 from tiercache.shards import ShardSet, group_shards, head_shards, rank_shards
 
@@ -33,25 +34,13 @@ class EngineGeometry:
     # content identities (connector/model_identity.py), set at start-up by namespace_check.with_identity
     model_identity: str = ""
     attention_identity: str = ""
+    # the KV-cache groups (connector/kv_groups.py): one full-attention group unless the model is hybrid
+    kv_groups: tuple[KVGroup, ...] = (KVGroup("full"),)
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> "EngineGeometry":
-        groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
-        if len(groups) != 1:
-            kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-            raise ConfigError(
-                f"tiercache supports models with one KV-cache group (plain full attention); "
-                f"this model has {len(groups)}: {kinds}"
-            )
-        spec = groups[0].kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            layer_specs = list(spec.kv_cache_specs.values())
-        else:
-            layer_specs = [spec] * len(groups[0].layer_names)
-        if not all(isinstance(s, AttentionSpec) for s in layer_specs):
-            raise ConfigError(
-                f"tiercache supports attention KV caches only, got {type(spec).__name__}"
-            )
+        # raises UnsupportedKVGroups (a ConfigError) for groups tiercache cannot serve
+        kv_groups, layer_specs = engine_groups(kv_cache_config)
         cache = vllm_config.cache_config
         parallel = vllm_config.parallel_config
         hash_block = getattr(kv_cache_config, "hash_block_size", None)
@@ -71,6 +60,7 @@ class EngineGeometry:
             kv_heads=_global_kv_heads(vllm_config),
             local_kv_heads=int(getattr(layer_specs[0], "num_kv_heads", 1)),
             pp_size=parallel.pipeline_parallel_size,
+            kv_groups=kv_groups,
         )
 
     def shard_set(self, tp_rank: int, pp_rank: int = 0, head_sliceable: bool = True) -> ShardSet:
@@ -116,15 +106,21 @@ class ChunkGeometry:
 
     engine: EngineGeometry
     chunk_tokens: int
-    blocks_per_chunk: int
+    blocks_per_chunk: int  # engine blocks of one KV-cache group per chunk (tokens / block size)
     slot_bytes: int
     host_slots: int
+
+    @property
+    def slot_blocks(self) -> int:
+        """Engine blocks one chunk slot holds: ``blocks_per_chunk`` per KV-cache group, group ``g``'s
+        at positions ``g * blocks_per_chunk ..`` (what the copiers and lower tiers see as a chunk)."""
+        return self.blocks_per_chunk * len(self.engine.kv_groups)
 
     @classmethod
     def build(cls, config: TierCacheConfig, engine: EngineGeometry) -> "ChunkGeometry":
         config.check_engine(engine.block_size)
         bpc = config.chunk_tokens // engine.block_size
-        slot_bytes = engine.bytes_per_block * bpc
+        slot_bytes = engine.bytes_per_block * bpc * len(engine.kv_groups)
         host_slots = config.host_tier.capacity // slot_bytes
         if host_slots < 1:
             raise ConfigError(
@@ -159,5 +155,6 @@ class ChunkGeometry:
             shard_bytes=self.shard_bytes,
             model_identity=e.model_identity,
             attention_identity=e.attention_identity,
+            kv_groups=describe_groups(e.kv_groups),
         )
         return KeySpace(namespace, self.blocks_per_chunk)

@@ -24,6 +24,8 @@ from tiercache.tiers.sharded_backend import ShardedBackend
 from tiercache.shards import HEAD_SHARD, HeadSlicer, ShardSet
 
 from tiercache.connector.engine_info import ChunkGeometry
+from tiercache.connector.scheduler_state import RequestState
+from tiercache.tiers.shared_lookup import SharedLookup
 
 logger = logging.getLogger(__name__)
 
@@ -114,3 +116,22 @@ def recover_lower_tiers(
         for backend in backends.values():
             backend.close()
     return extra
+
+
+def ask_shared_tiers(shared: SharedLookup, st: RequestState, token: str, keys: list[bytes], hits: int,
+                     manager: OffloadingManager) -> int | None:
+    """Scheduler: extend a request's local hit with what the shared tiers hold; None while they are
+    asked (never blocks: tiercache/tiers/shared_lookup.py). Asked once per request."""
+    if st.shared_asked:
+        return hits
+    if not shared.asking(token):
+        shared.ask(token, keys[hits:])
+        return None
+    answer = shared.answer(token)
+    if answer is None:
+        return None
+    st.shared_asked = True
+    for tier, present in answer.items():
+        if present:
+            manager.cascade.learn(tier, present)
+    return manager.lookup(keys) or 0

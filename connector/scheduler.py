@@ -24,7 +24,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.engine_info import ChunkGeometry
-from tiercache.connector.lower_tiers import lower_tier_specs, make_backends, recover_lower_tiers
+from tiercache.connector.kv_groups import chunk_segments
+from tiercache.connector.lower_tiers import ask_shared_tiers, lower_tier_specs, make_backends, recover_lower_tiers
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd.roles import SchedulerPD, pd_settings
 from tiercache.connector.pd.scheduler_role import PDScheduler, peer_tier_specs
@@ -35,7 +36,7 @@ from tiercache.connector.store_pins import StorePins
 from tiercache import faults
 from tiercache.config.schema import TierCacheConfig
 from tiercache.events import ChunkEvent
-from tiercache.jobs import CopySegment, DemoteJob, FromReader, LoadChunk, LoadJob, StoreJob
+from tiercache.jobs import DemoteJob, FromReader, LoadChunk, LoadJob, StoreJob
 from tiercache.manager.offloading import OffloadingManager, TierSpec
 from tiercache.metrics import TierCacheMetrics
 from tiercache.tiers.shared_lookup import SharedLookup
@@ -93,12 +94,15 @@ class TierCacheScheduler(SchedulerFaults):
         self._step_invalid: list[int] = []
         self._step_failed_recvs: list[str] = []  # see SchedulerFaults
         self._kv_cache_manager: KVCacheManager | None = None
+        self._null_block = 0  # vLLM's null block id (a window group's freed positions), set at bind
         self.store_pins = StorePins()  # a store's engine blocks, until every worker copied them
         self._counters: dict[str, float] = {}
 
     # ------------------------------------------------------------ plumbing
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
+        pool = getattr(kv_cache_manager, "block_pool", None)
+        self._null_block = int(pool.null_block.block_id) if pool is not None else 0
         self.pd.bind(kv_cache_manager)
         self.store_pins.bind_manager(kv_cache_manager)
 
@@ -129,7 +133,8 @@ class TierCacheScheduler(SchedulerFaults):
         tail = self.pd.lookup(request, keys)  # a P/D hand-off's prompt tail (connector/prompt_tail.py)
         hits = self.manager.lookup(keys) or 0
         if self._shared is not None and hits < len(keys):
-            asked = self._ask_shared_tiers(request, keys, hits)
+            asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
+                                     self.manager)
             if asked is None:
                 return None, False  # vLLM asks again on a later step; the scheduler never waits
             hits = asked
@@ -154,25 +159,6 @@ class TierCacheScheduler(SchedulerFaults):
         st.lookup_hit_tokens = hit_tokens
         return hit_tokens - num_computed_tokens, self._async_loads
 
-    def _ask_shared_tiers(self, request: Request, keys: list[bytes], hits: int) -> int | None:
-        """Extend the local hit with what the shared tiers hold; None while they are asked."""
-        st = self._state(request)
-        if st.shared_asked:
-            return hits
-        assert self._shared is not None
-        token = request.request_id
-        if not self._shared.asking(token):
-            self._shared.ask(token, keys[hits:])
-            return None
-        answer = self._shared.answer(token)
-        if answer is None:
-            return None
-        st.shared_asked = True
-        for tier, present in answer.items():
-            if present:
-                self.manager.cascade.learn(tier, present)
-        return self.manager.lookup(keys) or 0
-
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -188,7 +174,8 @@ class TierCacheScheduler(SchedulerFaults):
         end = start + num_external_tokens
         st.lookup_local_tokens = None
         ct, bs, bpc = self.chunk_tokens, self.block_size, self.bpc
-        block_ids = blocks.get_block_ids()[0]
+        tables = blocks.get_block_ids()  # one block table per KV-cache group
+        block_ids = tables[0]
         first_chunk, last_chunk = start // ct, (end - 1) // ct
         chunk_keys = self.keys.chunk_keys(request.block_hashes)
         keys = tuple(chunk_keys[first_chunk : last_chunk + 1])
@@ -203,14 +190,17 @@ class TierCacheScheduler(SchedulerFaults):
         for i, chunk in enumerate(range(first_chunk, last_chunk + 1)):
             lo = max(start, chunk * ct) // bs
             hi = -(-min(end, (chunk + 1) * ct) // bs)  # a partial last block loads whole
+            runs = chunk_segments(-1, tables, chunk, lo, hi, bpc, self._null_block)
             if i >= len(plan.keys):
                 # No host slot could be freed to stage this chunk: a failed load, recomputed.
-                self._step_invalid.extend(block_ids[lo:hi])
+                self._step_invalid.extend(b for run in runs for b in run.block_ids)
                 continue
             key, source = plan.keys[i], plan.sources[i]
             if isinstance(source, FromReader):  # a direct tier: its reader writes the blocks
                 source = self.pd.reader_source(key, source)
-            chunks.append(LoadChunk(key, source, lo - chunk * bpc, tuple(block_ids[lo:hi])))
+            # every group's allocated blocks (a window group's null blocks skipped: connector/kv_groups.py)
+            chunks.append(LoadChunk(key, source, runs[0].first_block, runs[0].block_ids,
+                                    tuple((r.first_block, r.block_ids) for r in runs[1:])))
             tier = source.tier
             tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + min(end, (chunk + 1) * ct) - max(start, chunk * ct)
         job = LoadJob(self._new_job_id("load", request.request_id, plan.keys), request.request_id, tuple(chunks))
@@ -292,7 +282,7 @@ class TierCacheScheduler(SchedulerFaults):
             self.metrics.label(self.metrics.evictions, plan.tier).inc(len(plan.evicted))
             self._count("evicted_chunks", len(plan.evicted))
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+        tables = self._kv_cache_manager.get_block_ids(req_id)  # one block table per KV-cache group
         chunk_of = {key: first + i for i, key in enumerate(keys)}
         bpc = self.bpc
         segments = []
@@ -302,7 +292,8 @@ class TierCacheScheduler(SchedulerFaults):
             else:
                 c = chunk_of[key]
                 end = (c + 1) * bpc
-            segments.append(CopySegment(slot, 0, tuple(block_ids[c * bpc : end])))
+            # every group's blocks of the chunk, vLLM's null blocks (out of a window) skipped
+            segments.extend(chunk_segments(slot, tables, c, c * bpc, end, bpc, self._null_block))
         self._count("store_jobs", 1)
         job = StoreJob(self._new_job_id("store", req_id, plan.keys), req_id, plan.keys, tuple(segments))
         self.store_pins.hold(job.job_id, job.block_ids())  # connector/store_pins.py

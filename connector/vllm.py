@@ -28,17 +28,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.config.schema import config_from_extra
+from tiercache.config.schema import ConfigError, config_from_extra
 from tiercache.metrics import TierCacheMetrics
 
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry, parallel_rank
 from tiercache.connector import guard
 from tiercache.connector.events import to_vllm_events
 from tiercache.connector.guard import contained
+from tiercache.connector.inactive import InactiveScheduler, InactiveWorker
+from tiercache.connector.kv_groups import UnsupportedKVGroups, describe_groups
 from tiercache.connector.logs import adopt_vllm_logging
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.model_identity import model_identity_fields, scheduler_attention_view
 from tiercache.connector.namespace_check import SchedulerGate, WorkerNamespace
+from tiercache.connector.pd.roles import pd_settings
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.stats import TierCacheStats
 from tiercache.connector.worker import TierCacheWorker
@@ -78,9 +81,25 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = config_from_extra(transfer.kv_connector_extra_config)
         adopt_vllm_logging(self.config.log_level)
         assert kv_cache_config is not None, "vLLM must pass kv_cache_config to connectors"
-        geometry = ChunkGeometry.build(self.config, EngineGeometry.from_vllm(vllm_config, kv_cache_config))
         self._scheduler: TierCacheScheduler | None = None
         self._worker: TierCacheWorker | None = None
+        self._namespace: WorkerNamespace | None = None
+        try:
+            engine = EngineGeometry.from_vllm(vllm_config, kv_cache_config)
+        except UnsupportedKVGroups as exc:
+            # vLLM must still serve the model: tiercache steps aside (connector/inactive.py)
+            logger.warning("tiercache inactive for this engine (vLLM serves it without offloading): %s", exc)
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = InactiveScheduler(str(exc))  # type: ignore[assignment]
+            else:
+                self._worker = InactiveWorker(str(exc))  # type: ignore[assignment]
+                self._namespace = None
+            return
+        if len(engine.kv_groups) > 1 and pd_settings(transfer.kv_role, self.config.pd) is not None:
+            raise ConfigError(
+                f"tiercache: prefill/decode hand-offs do not support hybrid models yet (KV-cache groups "
+                f"{describe_groups(engine.kv_groups)}); use kv_role kv_both without pd settings")
+        geometry = ChunkGeometry.build(self.config, engine)
         if role == KVConnectorRole.SCHEDULER:
             # A failed load must become a recompute, not a failed request (docs/architecture.md, Faults);
             # vLLM reads this right after constructing the scheduler-side connector.
@@ -128,12 +147,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._w()
+        if self._namespace is None:  # inactive (connector/inactive.py)
+            return
         # the namespace covers the layout registered here (connector/namespace_check.py)
         worker.config, worker.geometry = self._namespace.prepare(worker.config, worker.geometry, kv_caches)
         worker.register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self) -> "KVConnectorHandshakeMetadata | None":
-        return self._namespace.handshake_metadata() if self._worker is not None else None
+        return self._namespace.handshake_metadata() if self._worker is not None and self._namespace else None
 
     @contained()
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -141,7 +162,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @contained(fallback=guard.fail_loads)
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._namespace.saw(self._meta())
+        if self._namespace is not None:
+            self._namespace.saw(self._meta())
         self._w().start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -170,7 +192,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @contained()
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._namespace.attach(self._w().build_worker_meta())
+        report = self._w().build_worker_meta()
+        return self._namespace.attach(report) if self._namespace is not None else report
 
     @contained()
     def shutdown(self) -> None:

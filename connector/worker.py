@@ -77,11 +77,12 @@ class TierCacheWorker(WorkerFaults):
         slab = self.pd.host_slab(host.prefault, host.layout)
         transfer = TransferEngine(
             layout,
-            self.geometry.blocks_per_chunk,
+            self.geometry.slot_blocks,  # per KV-cache group: blocks_per_chunk (connector/kv_groups.py)
             self.geometry.host_slots,
             faults=self.config.faults,
             copy_threads=self.config.copy_threads,
             cuda_copy=self.config.cuda_copy,
+            kv_groups=len(self.geometry.engine.kv_groups),
             prefault_host=slab.prefault,
             huge_host=slab.huge_pages,
             slot_layout=slab.layout,
@@ -90,7 +91,7 @@ class TierCacheWorker(WorkerFaults):
         shards, slicer = self._store_shards(kv_caches) if len(self.config.tiers) > 1 else (None, None)
         backends = make_backends(self.config, self.geometry, keyspace.digest, self.rank, shards=shards, slicer=slicer)
         block_readers = self.pd.register(kv_caches, layout, transfer, keyspace, self.num_blocks)
-        tier_io = TierIO(backends, transfer.host.slab, transfer.planes, self.geometry.blocks_per_chunk) \
+        tier_io = TierIO(backends, transfer.host.slab, transfer.planes, self.geometry.slot_blocks) \
             if backends else None
         deadlines = self.config.deadlines
         self.engine = WorkerPipeline(transfer, tier_io, block_readers, deadlines.load_s, deadlines.store_s)
@@ -114,7 +115,7 @@ class TierCacheWorker(WorkerFaults):
         if engine.kv_heads > 0:
             try:
                 slicer = HeadSlicer.from_kv_caches(kv_caches, self.num_blocks, engine.local_kv_heads,
-                                                   self.geometry.blocks_per_chunk)
+                                                   self.geometry.slot_blocks)
                 if slicer.shard_bytes == self.geometry.shard_bytes:
                     return engine.shard_set(self.rank, pp_rank), slicer
                 reason = f"a head's shard is {slicer.shard_bytes} bytes, expected {self.geometry.shard_bytes}"
@@ -185,7 +186,7 @@ class TierCacheWorker(WorkerFaults):
                 failed = set(res.failed_keys)
                 for chunk in job.chunks:
                     if chunk.key in failed:
-                        self._invalid_blocks.update(chunk.block_ids)
+                        self._invalid_blocks.update(chunk.all_block_ids())
         if self.engine is not None:
             # the manager's view: a load past its deadline is reported when its backend is done
             for rep in self.engine.take_reports():

@@ -72,17 +72,34 @@ ChunkSource = Union[FromHost, FromTier, FromReader]
 
 @dataclass(frozen=True, slots=True)
 class LoadChunk:
-    """One chunk of a load: ``key`` from ``source`` into ``block_ids`` (from chunk position ``first_block``)."""
+    """One chunk of a load: ``key`` from ``source`` into ``block_ids`` (from chunk position ``first_block``).
+
+    ``more``: the chunk's other runs of blocks, ``(first_block, block_ids)`` each: a model with
+    several KV-cache groups keeps group ``g``'s blocks at chunk positions ``g * bpc ..``, and a
+    sliding-window group loads only the blocks vLLM allocated (connector/kv_groups.py).
+    """
 
     key: bytes
     source: ChunkSource
     first_block: int
     block_ids: tuple[int, ...]
+    more: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def segment(self) -> CopySegment:
-        """Where the copier moves it (slot -1 for a reader's chunk: no host slot)."""
-        slot = -1 if isinstance(self.source, FromReader) else self.source.slot
-        return CopySegment(slot, self.first_block, self.block_ids)
+        """Where the copier moves its first run (slot -1 for a reader's chunk: no host slot)."""
+        return CopySegment(self._slot(), self.first_block, self.block_ids)
+
+    def segments(self) -> tuple[CopySegment, ...]:
+        """Every run of the chunk, the first one first."""
+        slot = self._slot()
+        return (CopySegment(slot, self.first_block, self.block_ids),
+                *(CopySegment(slot, first, ids) for first, ids in self.more))
+
+    def all_block_ids(self) -> tuple[int, ...]:
+        return self.block_ids + tuple(b for _, ids in self.more for b in ids)
+
+    def _slot(self) -> int:
+        return -1 if isinstance(self.source, FromReader) else self.source.slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +115,11 @@ class LoadJob:
         return tuple(c.key for c in self.chunks)
 
     def block_ids(self) -> list[int]:
-        return [b for c in self.chunks for b in c.block_ids]
+        return [b for c in self.chunks for b in c.all_block_ids()]
 
     @property
     def segments(self) -> tuple[CopySegment, ...]:
-        return tuple(c.segment() for c in self.chunks)
+        return tuple(seg for c in self.chunks for seg in c.segments())
 
     def staging(self) -> tuple[str | None, ...]:
         """Per chunk: the tier read before the copy (staged, or a reader's), None for a host-tier chunk."""
@@ -119,10 +136,12 @@ class LoadJob:
 
 @dataclass(frozen=True, slots=True)
 class StoreJob:
-    """Copy engine blocks into host slots: ``keys[i]`` per ``segments[i]``.
+    """Copy engine blocks into host slots for ``keys``: ``segments`` are their runs of blocks.
 
-    A chunk's blocks fill its slot from position 0; a prompt's tail (its partial
-    last chunk) may have fewer blocks than a chunk.
+    With one KV-cache group ``segments[i]`` is ``keys[i]``'s (its blocks fill its slot from
+    position 0; a prompt's tail, its partial last chunk, may have fewer blocks). A hybrid
+    model's chunk has one run per group and per run of allocated blocks (connector/kv_groups.py),
+    so several segments share a slot; P/D (one segment per key) refuses hybrid models.
     """
 
     job_id: int

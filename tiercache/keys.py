@@ -60,6 +60,7 @@ class Namespace:
     shard_bytes: int = 0  # one KV head's bytes of one chunk (one store shard)
     model_identity: str = ""  # the checkpoint's content (connector/model_identity.py); "" unknown
     attention_identity: str = ""  # attention backend, KV layout as registered, kernel block size
+    kv_groups: str = ""  # a hybrid model's KV-cache groups ("full,sliding_window:256"); "" for one full group
 
     @property
     def stable_across_processes(self) -> bool:
@@ -73,6 +74,8 @@ class Namespace:
             del fields["tp_size"], fields["bytes_per_chunk"]
         if self.model_identity:  # the checkpoint's content names it, not its path
             del fields["model"]
+        if not self.kv_groups:  # one full-attention group: the digest of before hybrid models
+            del fields["kv_groups"]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(canonical, digest_size=NAMESPACE_DIGEST_BYTES).digest()
 

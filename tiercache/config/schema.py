@@ -114,6 +114,11 @@ class FaultConfig(_Frozen):
         default=False,
         description="Loads succeed but zero the loaded blocks (negative controls only).",
     )
+    corrupt_loads_group: int | None = Field(
+        default=None, ge=0,
+        description="Loads succeed but zero the loaded blocks of this KV-cache group only (a hybrid "
+        "model's negative control: one group's KV wrong must change the output).",
+    )
 
 
 class DeadlineConfig(_Frozen):

@@ -47,6 +47,7 @@ class TransferEngine:
         huge_host: bool = False,
         slot_layout: SlotLayout = "slots",
         cuda_copy: CopyMethod = "auto",
+        kv_groups: int = 1,
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = blocks_per_chunk
@@ -66,6 +67,7 @@ class TransferEngine:
             cuda_copy=cuda_copy,
         )
         self.faults = faults or FaultConfig()
+        self.group_blocks = blocks_per_chunk // kv_groups  # a chunk slot holds kv_groups runs of these
         self._inflight: dict[int, TransferJob] = {}
         self._failed_now: list[JobResult] = []
         self._corrupted: set[int] = set()  # loads corrupt_loads zeroed when ordered before compute
@@ -122,9 +124,16 @@ class TransferEngine:
                 continue
             if load and self.faults.corrupt_loads and done.job_id not in self._corrupted:
                 zero_blocks(self.layout, job.block_ids())
+            if load and self.faults.corrupt_loads_group is not None:
+                zero_blocks(self.layout, self._group_blocks(job, self.faults.corrupt_loads_group))
             self._corrupted.discard(done.job_id)
             results.append(JobResult(job.job_id, job.keys, (), done.bytes, done.secs))
         return results
+
+    def _group_blocks(self, job: LoadJob, group: int) -> list[int]:
+        """The blocks of ``job`` that belong to KV-cache group ``group`` (chunk positions ``group * n ..``)."""
+        n = self.group_blocks
+        return [b for seg in job.segments if seg.first_block // n == group for b in seg.block_ids]
 
     def shutdown(self) -> None:
         self.copier.close()
