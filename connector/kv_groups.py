@@ -27,6 +27,10 @@ anything else raises :class:`UnsupportedKVGroups`):
   skipped, so a window group moves at most a window's blocks per hit, not the
   prefix's.
 
+P/D: mode ``via_host`` hands a hybrid model's chunks over like any other (the
+consumer's reader reads one entry per run of blocks, tiercache/pd/peer_tier.py);
+mode ``direct`` (the producer's blocks named per key) is refused at start-up.
+
 Pure functions of vLLM's configs and block tables; scheduler thread only.
 """
 

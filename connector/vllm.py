@@ -95,10 +95,11 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker = InactiveWorker(str(exc))  # type: ignore[assignment]
                 self._namespace = None
             return
-        if len(engine.kv_groups) > 1 and pd_settings(transfer.kv_role, self.config.pd) is not None:
+        pd = pd_settings(transfer.kv_role, self.config.pd)
+        if len(engine.kv_groups) > 1 and pd is not None and pd.mode != "via_host":
             raise ConfigError(
-                f"tiercache: prefill/decode hand-offs do not support hybrid models yet (KV-cache groups "
-                f"{describe_groups(engine.kv_groups)}); use kv_role kv_both without pd settings")
+                f"tiercache: pd.mode {pd.mode} does not support hybrid models yet (KV-cache groups "
+                f"{describe_groups(engine.kv_groups)}); use pd.mode via_host")
         geometry = ChunkGeometry.build(self.config, engine)
         if role == KVConnectorRole.SCHEDULER:
             # A failed load must become a recompute, not a failed request (docs/architecture.md, Faults);

@@ -152,6 +152,15 @@ class StoreJob:
     def block_ids(self) -> list[int]:
         return [b for seg in self.segments for b in seg.block_ids]
 
+    def slots(self) -> list[int]:
+        """The slot of each key, in ``keys`` order: a key's segments are consecutive and keys
+        never share a slot, so each change of slot along ``segments`` starts the next key."""
+        out: list[int] = []
+        for seg in self.segments:
+            if not out or seg.slot != out[-1]:
+                out.append(seg.slot)
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class DemoteJob:

@@ -143,7 +143,7 @@ class PDWorker(WorkerPD):
         for rid, hold in (meta.direct_holds if meta is not None else {}).items():
             endpoint.hold_blocks(rid, hold.keys, hold.blocks)
         for job in stores:  # unreadable from now until the copy into them ends (job_done)
-            endpoint.slot_filling([seg.slot for seg in job.segments])
+            endpoint.slot_filling(job.slots())
             self._stores[job.job_id] = job
 
     def after_stores(self, stores: Sequence[StoreJob], pipeline: WorkerPipeline) -> list[JobResult]:
@@ -171,7 +171,7 @@ class PDWorker(WorkerPD):
             return
         failed = set(result.failed_keys)
         store = self._stores.pop(result.job_id, None)
-        pairs = [(k, seg.slot) for k, seg in zip(store.keys, store.segments)] if store else []
+        pairs = list(zip(store.keys, store.slots())) if store else []  # a hybrid model's key has several segments
         pairs += self._staged_slots.pop(result.job_id, [])
         ok = [(k, slot) for k, slot in pairs if k not in failed]
         if ok:

@@ -140,11 +140,16 @@ class NixlPeerTier:
     def read_chunks(self, job_id: int, chunks: Sequence[LoadChunk]) -> None:
         """The pipeline's call (BlockReader): each chunk's producer memory is its source's ``where``."""
         self.expect({c.key: c.source.where for c in chunks if isinstance(c.source, FromReader) and c.source.where})
-        self.submit_blocks(job_id, [c.key for c in chunks], [c.segment() for c in chunks])
+        # one read entry per run of blocks: a hybrid model's chunk has one per KV-cache group (and per
+        # run of allocated blocks); the entries of a key share its slot and tag
+        entries = [(c.key, seg) for c in chunks for seg in c.segments()]
+        self.submit_blocks(job_id, [k for k, _ in entries], [seg for _, seg in entries])
 
     def submit_blocks(self, job_id: int, keys: Sequence[bytes], segments: Sequence[CopySegment]) -> None:
         """READ ``keys`` from their producers into ``segments``' blocks; the result from :meth:`poll_blocks`."""
-        job = _Job(job_id, list(keys), {k: self._chunks.pop(k) for k in keys if k in self._chunks}, list(segments))
+        job = _Job(job_id, list(keys), {k: self._chunks[k] for k in keys if k in self._chunks}, list(segments))
+        for key in set(keys):
+            self._chunks.pop(key, None)
         if not (self.inline and self._run_inline(job)):
             self._jobs.put(job)
 
@@ -218,17 +223,19 @@ class NixlPeerTier:
             chunk = job.chunks.get(key)
             if chunk is not None:
                 by_peer.setdefault(chunk.source, []).append(i)
-        ok: list[bytes] = []
+        arrived_entries: set[int] = set()
         moved = 0
         for src, idx in by_peer.items():
             arrived = self._read(src, [job.keys[i] for i in idx], [job.segments[i] for i in idx],
                                  [job.chunks[job.keys[i]] for i in idx], wait)
-            ok.extend(job.keys[idx[i]] for i in arrived)
+            arrived_entries.update(idx[i] for i in arrived)
             moved += sum(len(job.segments[idx[i]].block_ids) for i in arrived)
-        ok_set = set(ok)
-        failed = tuple(k for k in job.keys if k not in ok_set)
+        # a key read as several entries (a hybrid model's groups) arrived only if all of them did
+        failed_keys = {k for i, k in enumerate(job.keys) if i not in arrived_entries}
+        keys = list(dict.fromkeys(job.keys))
         per_block = sum(self.blocks.pages) if self.blocks is not None else 0
-        return JobResult(job.job_id, tuple(ok), failed, moved * per_block, time.perf_counter() - start)
+        return JobResult(job.job_id, tuple(k for k in keys if k not in failed_keys),
+                         tuple(k for k in keys if k in failed_keys), moved * per_block, time.perf_counter() - start)
 
     def _hetero(self, src: PeerSource) -> bool:
         return bool(src.tp_size) and (self.page_heads is None or src.tp_size != self.page_heads.tp_size)
@@ -286,6 +293,12 @@ class NixlPeerTier:
             arrived, data_bytes, data_secs = self._reads.read(link, plan, expected, blocks, deadline,
                                                               wait, self._poll_burst())
             t1 = time.monotonic()
+            if len(arrived) < len(keys):  # TEMP-DIAG
+                logger.warning("TEMPDIAG failed entries: %s", [(i, keys[i][-4:].hex(), chunks[i].slot,
+                               segments[i].first_block, segments[i].block_ids) for i in range(len(keys))
+                               if i not in set(arrived)])
+                logger.warning("TEMPDIAG all entries: %s", [(i, keys[i][-4:].hex(), chunks[i].slot,
+                               segments[i].first_block, segments[i].block_ids) for i in range(len(keys))])
             moved = sum(len(segments[i].block_ids) for i in arrived) * sum(blocks.pages)
             if moved:
                 self._log.record((plan.path, moved, t1 - t0), (PEER_DATA_READ, data_bytes, data_secs))
