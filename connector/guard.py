@@ -74,5 +74,11 @@ def no_finished() -> tuple[set[str], set[str]]:
     return set(), set()
 
 
+def no_transfer_results() -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    return KVConnectorTransferResults()
+
+
 NO_MATCH = (0, False)
 NOT_DELAYED = (False, None)

@@ -36,6 +36,9 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     # async loads that failed before a job existed (an exception at planning): the worker
     # reports them finished at once (their blocks are in invalid_block_ids), so none waits forever
     failed_recvs: list[str] = field(default_factory=list)
+    # a hybrid model's requests whose load failed in part (vLLM takes no failed blocks for several
+    # KV-cache groups): the worker reports them failed; finished once their job ends
+    failed_loads: list[str] = field(default_factory=list)
     # False while the scheduler waits for the workers' identities in their step reports
     # (connector/namespace_check.py, the fallback when vLLM's start-up handshake did not bring them)
     namespace_settled: bool = True

@@ -86,7 +86,11 @@ class TierCacheScheduler(SchedulerFaults):
             geometry.host_slots * geometry.slot_bytes
         )
         self._world_size = geometry.engine.world_size
-        self._async_loads = config.load_mode == "async"
+        # a hybrid model's failed loads go to vLLM per request (failed_recving), which vLLM 0.32
+        # takes for async loads only (connector/kv_groups.py): hybrid models load async
+        self._by_request = len(geometry.engine.kv_groups) > 1
+        self._async_loads = config.load_mode == "async" or self._by_request
+        self._step_failed_loads: list[str] = []
         self._reqs: dict[str, RequestState] = {}
         self._jobs: dict[int, JobRecord] = {}
         self._next_job_id = 0
@@ -193,7 +197,10 @@ class TierCacheScheduler(SchedulerFaults):
             runs = chunk_segments(-1, tables, chunk, lo, hi, bpc, self._null_block)
             if i >= len(plan.keys):
                 # No host slot could be freed to stage this chunk: a failed load, recomputed.
-                self._step_invalid.extend(b for run in runs for b in run.block_ids)
+                if self._by_request:
+                    self._step_failed_loads.append(request.request_id)
+                else:
+                    self._step_invalid.extend(b for run in runs for b in run.block_ids)
                 continue
             key, source = plan.keys[i], plan.sources[i]
             if isinstance(source, FromReader):  # a direct tier: its reader writes the blocks
@@ -248,7 +255,9 @@ class TierCacheScheduler(SchedulerFaults):
             deletes=self._step_deletes,
             pd=self.pd.step_meta(),
             failed_recvs=self._step_failed_recvs,
+            failed_loads=self._step_failed_loads,
         )
+        self._step_failed_loads = []
         self._step_failed_recvs = []
         self.metrics.count_faults(faults.take())  # this process's faults (the workers' come in their reports)
         self._step_loads, self._step_invalid, self._step_deletes = [], [], {}

@@ -40,6 +40,7 @@ class SchedulerFaults:
     _step_loads: list[LoadJob]
     _step_invalid: list[int]
     _step_failed_recvs: list[str]
+    _by_request: bool  # a hybrid model: failures per request (failed_recving), never per block
 
     def _finish_job(self, rec: object) -> None:
         raise NotImplementedError
@@ -57,7 +58,8 @@ class SchedulerFaults:
                 else request.num_computed_tokens
             bs = self.block_size
             block_ids = blocks.get_block_ids()[0]
-            self._step_invalid.extend(block_ids[start // bs: -(-(start + num_external_tokens) // bs)])
+            if not self._by_request:  # a hybrid model's: failed_recvs alone (the worker marks them failed)
+                self._step_invalid.extend(block_ids[start // bs: -(-(start + num_external_tokens) // bs)])
             if self._async_loads:
                 self._step_failed_recvs.append(rid)
         except Exception as exc:  # noqa: BLE001 - nothing more can be done here
@@ -70,7 +72,8 @@ class SchedulerFaults:
         failed_recvs, self._step_failed_recvs = self._step_failed_recvs, []
         try:
             for job in loads:
-                invalid.extend(job.block_ids())
+                if not self._by_request:
+                    invalid.extend(job.block_ids())
                 if self._async_loads:
                     failed_recvs.append(job.req_id)
                 self._withdraw(job, listed=False)

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -186,6 +187,15 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     @contained(guard.no_finished)
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._w().get_finished(finished_req_ids)
+
+    @contained(guard.no_transfer_results)
+    def get_transfer_results(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
+        # get_finished's, plus a hybrid model's failed loads per request (vLLM 0.32 takes no failed
+        # blocks with several KV-cache groups: connector/kv_groups.py)
+        sending, recving = self.get_finished(finished_req_ids)
+        worker = self._w()
+        failed = worker.take_failed_recving() if hasattr(worker, "take_failed_recving") else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     @contained(set)
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -61,6 +61,8 @@ class TierCacheWorker(WorkerFaults):
         self._sync_jobs: set[int] = set()
         self._finished_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
+        self._failed_recving: set[str] = set()  # a hybrid model's failed loads (connector/kv_groups.py)
+        self._by_request = geometry is not None and len(geometry.engine.kv_groups) > 1
         self._given_up: set[int] = set()  # see WorkerFaults
         self._step_taken: set[int] = set()
         self._report = TierCacheWorkerMetadata()
@@ -139,6 +141,9 @@ class TierCacheWorker(WorkerFaults):
         self.pd.before_loads(meta.pd, meta.loads, self._report.pd)
         self._invalid_blocks.update(meta.invalid_block_ids)
         self._finished_recving.update(meta.failed_recvs)  # async loads the scheduler could not plan
+        if self._by_request:  # a hybrid model: failures per request, vLLM takes no failed blocks
+            self._failed_recving.update(meta.failed_recvs)
+            self._failed_recving.update(meta.failed_loads)
         self._step_taken = set()
         for job in meta.loads:
             self._start_load(engine, job, meta.loads_are_sync)
@@ -182,15 +187,16 @@ class TierCacheWorker(WorkerFaults):
             else:
                 self._finished_recving.add(job.req_id)
             if res.failed_keys:
-                # vLLM recomputes from the first invalid block of the request on.
-                failed = set(res.failed_keys)
-                for chunk in job.chunks:
-                    if chunk.key in failed:
-                        self._invalid_blocks.update(chunk.all_block_ids())
+                self._fail_load(job, set(res.failed_keys))
         if self.engine is not None:
             # the manager's view: a load past its deadline is reported when its backend is done
             for rep in self.engine.take_reports():
                 self._report.add(rep.job_id, rep.failed_keys, rep.bytes, rep.secs)
+
+    def take_failed_recving(self) -> set[str]:
+        """A hybrid model's requests whose load failed: vLLM recomputes them from token 0."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()

@@ -44,6 +44,8 @@ class WorkerFaults:
     _sync_jobs: set[int]
     _finished_recving: set[str]
     _invalid_blocks: set[int]
+    _failed_recving: set[str]
+    _by_request: bool
     _report: TierCacheWorkerMetadata
     _given_up: set[int]  # sync loads whose blocks were reported failed before their result
     _step_taken: set[int]  # jobs start_load_kv / wait_for_save took this step (for fail_loads / fail_saves)
@@ -72,8 +74,19 @@ class WorkerFaults:
         self._give_up([self._loads[i] for i in job_ids
                        if i in self._loads and i not in self._given_up and i not in on_device])
 
+    def _fail_load(self, spec: LoadJob, failed_keys: set[bytes]) -> None:
+        """Tell vLLM which part of a load failed: the failed chunks' blocks (vLLM recomputes from the
+        first), or, for a hybrid model (vLLM 0.32 takes no failed blocks with several KV-cache groups),
+        the request (an async load: vLLM recomputes it from token 0)."""
+        if self._by_request:
+            self._failed_recving.add(spec.req_id)
+            return
+        for chunk in spec.chunks:
+            if chunk.key in failed_keys:
+                self._invalid_blocks.update(chunk.all_block_ids())
+
     def _fail_unstarted(self, spec: LoadJob, sync: bool) -> None:
-        self._invalid_blocks.update(spec.block_ids())
+        self._fail_load(spec, set(spec.keys))
         if not sync:
             self._finished_recving.add(spec.req_id)
         self._report.add(spec.job_id, spec.keys, 0, 0.0)
@@ -98,6 +111,9 @@ class WorkerFaults:
                 self._give_up([s for s in meta.loads if s.job_id in self._loads and s.job_id not in self._given_up])
             self._invalid_blocks.update(meta.invalid_block_ids)
             self._finished_recving.update(meta.failed_recvs)
+            if self._by_request:
+                self._failed_recving.update(meta.failed_recvs)
+                self._failed_recving.update(meta.failed_loads)
         except Exception as exc:  # noqa: BLE001
             faults.record(faults.CONNECTOR_EXCEPTION, exc, where="start_load_kv.fallback")
 

@@ -293,12 +293,6 @@ class NixlPeerTier:
             arrived, data_bytes, data_secs = self._reads.read(link, plan, expected, blocks, deadline,
                                                               wait, self._poll_burst())
             t1 = time.monotonic()
-            if len(arrived) < len(keys):  # TEMP-DIAG
-                logger.warning("TEMPDIAG failed entries: %s", [(i, keys[i][-4:].hex(), chunks[i].slot,
-                               segments[i].first_block, segments[i].block_ids) for i in range(len(keys))
-                               if i not in set(arrived)])
-                logger.warning("TEMPDIAG all entries: %s", [(i, keys[i][-4:].hex(), chunks[i].slot,
-                               segments[i].first_block, segments[i].block_ids) for i in range(len(keys))])
             moved = sum(len(segments[i].block_ids) for i in arrived) * sum(blocks.pages)
             if moved:
                 self._log.record((plan.path, moved, t1 - t0), (PEER_DATA_READ, data_bytes, data_secs))
