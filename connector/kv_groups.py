@@ -27,6 +27,13 @@ anything else raises :class:`UnsupportedKVGroups`):
   skipped, so a window group moves at most a window's blocks per hit, not the
   prefix's.
 
+Failures: vLLM 0.32 refuses failed *blocks* from a connector once a model
+has several KV-cache groups (it raises, and the engine dies), and takes failed
+*requests* (``failed_recving``) for async loads only. So a hybrid model's loads
+are async whatever ``load_mode`` says, and every failed load is reported per
+request (connector/worker_faults.py ``_fail_load``): vLLM recomputes it from
+token 0.
+
 P/D: mode ``via_host`` hands a hybrid model's chunks over like any other (the
 consumer's reader reads one entry per run of blocks, tiercache/pd/peer_tier.py);
 mode ``direct`` (the producer's blocks named per key) is refused at start-up.
