@@ -179,7 +179,6 @@ class TierCacheScheduler(SchedulerFaults):
         st.lookup_local_tokens = None
         ct, bs, bpc = self.chunk_tokens, self.block_size, self.bpc
         tables = blocks.get_block_ids()  # one block table per KV-cache group
-        block_ids = tables[0]
         first_chunk, last_chunk = start // ct, (end - 1) // ct
         chunk_keys = self.keys.chunk_keys(request.block_hashes)
         keys = tuple(chunk_keys[first_chunk : last_chunk + 1])
@@ -206,8 +205,9 @@ class TierCacheScheduler(SchedulerFaults):
             if isinstance(source, FromReader):  # a direct tier: its reader writes the blocks
                 source = self.pd.reader_source(key, source)
             # every group's allocated blocks (a window group's null blocks skipped: connector/kv_groups.py)
-            chunks.append(LoadChunk(key, source, runs[0].first_block, runs[0].block_ids,
-                                    tuple((r.first_block, r.block_ids) for r in runs[1:])))
+            # (none at all: a lone window group whose blocks for this chunk all left the window)
+            first, ids = (runs[0].first_block, runs[0].block_ids) if runs else (0, ())
+            chunks.append(LoadChunk(key, source, first, ids, tuple((r.first_block, r.block_ids) for r in runs[1:])))
             tier = source.tier
             tokens_by_tier[tier] = tokens_by_tier.get(tier, 0) + min(end, (chunk + 1) * ct) - max(start, chunk * ct)
         job = LoadJob(self._new_job_id("load", request.request_id, plan.keys), request.request_id, tuple(chunks))
