@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     series = {m: [next((c[ratio] for c in cells if (c["geometry"], c["chunk"]) == k and c["method"] == m), None)
                   for k in keys] for m in METHODS}
     title = (f"{args.direction}s, scattered blocks, share of one pinned cudaMemcpyAsync "
-             f"({data['machine'].split(':')[1].split(',')[0].strip()}, {data['date']})")
+             f"({data['machine'].split(':')[-1].split(',')[0].strip()}, {data['date']})")
     svg = grouped_bars(title, labels, series, ylabel="of the single-copy ceiling", ymax=1.0, percent=True,
                        targets={"target at 64 KiB pages: 80%": 0.8, "target at >= 256 KiB: 90%": 0.9})
     args.svg.write_text(svg)

@@ -12,8 +12,8 @@
 # folder (pip --no-index). The repository need not be installed: its
 # package-dir mapping (pyproject.toml: tiercache.backends = backends/,
 # tiercache.connector = connector/) is provided by a small import hook, so the
-# tree is tested as it is. Logs and the benchmark's JSON go to $OUT (default
-# /tmp/gpu_check_out). Each step has its own time limit; the whole ends within ~8 min (~4 min on an H100).
+# tree is tested as it is. Logs, the summary (cuda_summary.json, bench/cuda_summary.py) and
+# the raw JSON (raw_results.tgz) go to $OUT (default /tmp/gpu_check_out). Each step has its own time limit; the whole ends within ~8 min (~4 min on an H100).
 #
 # Environment: PYTHON (default python3), OUT, TC_BENCH_DEVICE (default cuda;
 # cpu only to try the script on a machine without a GPU).
@@ -121,6 +121,10 @@ timeout 120 "$PY" "$SHIM" bench.cuda_overlap --cuda-copy "$METHODS" --no-progres
   | tee -a "$OUT/bench_cuda.log"
 RC[overlap]=$?
 cp bench/results/host_tier_gpu_*.json bench/results/cuda_*_gpu.json "$OUT/" 2>/dev/null
+step "summary JSON (docs/data/cuda_*.json; draw it: python -m bench cuda_figures FILE --svg ...)"
+timeout 60 "$PY" "$SHIM" bench.cuda_summary "$OUT" "$OUT/cuda_summary.json"
+# the raw results in one archive (a device call brings back at most 8 files)
+(cd "$OUT" && tar czf raw_results.tgz host_tier_gpu_*.json cuda_*_gpu.json 2>/dev/null && rm -f host_tier_gpu_*.json cuda_*_gpu.json)
 
 step "summary"
 ok=0

@@ -5,7 +5,9 @@
 answer (:func:`tiercache.pd.heads.tp_mismatches`), keeps the addresses the
 answer names (host slab and its tags, a planes slab's planes, mode direct's KV
 blocks and their tags, the pages by KV head) and loads the producer's NIXL
-agent into ours. Its socket stays open for the one-way read notices
+agent into ours, once a throwaway process loaded it and survived
+(:mod:`tiercache.nixl_vetting`: malformed metadata can abort the process that
+loads it; such a producer is refused like an incompatible one). Its socket stays open for the one-way read notices
 (:meth:`PeerLink.notify_read`).
 
 :class:`PeerLinks` holds a consumer's links by producer address: a handshake
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tiercache.nixl_vetting import MetadataRefused, MetadataVetter
 from tiercache.pd import auth
 from tiercache.pd.blocks import BlockRegions
 from tiercache.pd.channel import REPLY_TIMEOUT_S, ChannelError, recv_message, send_message
@@ -47,10 +50,11 @@ class PeerLink:
     """Consumer: the handshake with one producer rank (its agent added to ours).
 
     ``key``: the shared secret (empty: none configured; a producer with one refuses us).
+    ``vetter``: loads the producer's metadata in a throwaway process first (None: loaded unvetted).
     """
 
     def __init__(self, host: str, port: int, fingerprint: dict[str, Any], agent: Any, timeout_s: float,
-                 key: bytes = b"") -> None:
+                 key: bytes = b"", vetter: MetadataVetter | None = None) -> None:
         self.address = f"{host}:{port}"
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -59,9 +63,16 @@ class PeerLink:
         self._sock = sock  # kept open: read notices go over it
         try:
             metadata = self._hello(fingerprint, key)
+            if vetter is not None:
+                vetter.vet(metadata)
         except ChannelError:
             sock.close()
             raise
+        except MetadataRefused as exc:
+            sock.close()
+            if exc.transient:  # retried, then this read fails
+                raise ChannelError(f"producer {self.address}: its NIXL metadata: {exc}") from None
+            raise ChannelError(f"producer {self.address} is incompatible: its NIXL metadata cannot be loaded: {exc}") from None
         name = agent.add_remote_agent(metadata)
         self.agent_name = name.decode() if isinstance(name, bytes) else str(name)
 
@@ -147,12 +158,15 @@ class PeerLinks:
     ``counters`` is the reader's: ``hello_retries``, ``refused_peers`` and
     ``auth_failures`` are counted in it. ``on_drop`` runs before a dropped link
     closes (the reader forgets what it holds for that producer's agent).
-    ``key``: the shared secret (empty: none).
+    ``key``: the shared secret (empty: none). A producer's agent metadata is
+    vetted in a throwaway process (started here) before our agent loads it.
     """
 
     def __init__(self, agent: Any, fingerprint: dict[str, Any], timeout_s: float, counters: dict[str, int],
                  on_drop: Callable[[PeerLink], None], key: bytes = b"") -> None:
         self.agent = agent
+        self._vetter = MetadataVetter(timeout_s=max(1.0, timeout_s))
+        self._vetter.start()
         self._key = key
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
@@ -187,10 +201,11 @@ class PeerLinks:
         the deadline (it may be restarting).
         """
         deadline = time.monotonic() + self.timeout_s
+        self._vetter.ready(self.timeout_s)  # started before the handshake: the link is not left idle
         while True:
             attempt_s = min(HELLO_ATTEMPT_S, max(0.05, deadline - time.monotonic()))
             try:
-                return PeerLink(addr[0], addr[1], self.fingerprint, self.agent, attempt_s, self._key)
+                return PeerLink(addr[0], addr[1], self.fingerprint, self.agent, attempt_s, self._key, self._vetter)
             except AuthError as exc:
                 self.counters["auth_failures"] += 1
                 logger.error("tiercache P/D: %s", exc)
@@ -222,6 +237,7 @@ class PeerLinks:
                 logger.debug("tiercache P/D: removing agent %s failed", link.agent_name, exc_info=True)
 
     def close(self) -> None:
-        """Close every link's socket (the reader is closing)."""
+        """Close every link's socket and the vetting process (the reader is closing)."""
         for link in self._links.values():
             link.close()
+        self._vetter.close()

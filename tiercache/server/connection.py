@@ -210,7 +210,7 @@ class Connection:
         nixl = self.server.nixl
         if hello.nixl_metadata and nixl is not None:
             try:
-                self._nixl_peer = self.server.agents.add(nixl, self.tenant.name, hello.nixl_metadata)
+                self._nixl_peer = await self.server.agents.add(nixl, self.tenant.name, hello.nixl_metadata)
                 self.stats.data_path = "nixl"
             except AgentRefused as exc:
                 logger.warning("client %s: NIXL metadata refused (%s); TCP only", hello.client, exc)
@@ -345,7 +345,7 @@ class Connection:
             raise p.UnknownMessageType("AGENT_META needs the NIXL data path (none was set up)")
         try:
             owner = self.tenant.name if self.tenant is not None else ""
-            self.server.agents.update(self.server.nixl, self._nixl_peer, owner, body.metadata)
+            await self.server.agents.update(self.server.nixl, self._nixl_peer, owner, body.metadata)
         except AgentRefused as exc:
             raise p.Unauthorized(f"NIXL metadata refused: {exc}") from None
         except Exception as exc:

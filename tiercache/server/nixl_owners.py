@@ -13,7 +13,9 @@ agent held by another tenant is refused before it is loaded; AGENT_META may
 only update the connection's own agent. Connections of one tenant may share
 an agent (an engine's I/O threads do). :func:`agent_name` reads the name
 from the metadata's header without loading it; metadata it cannot read is
-refused.
+refused. Metadata is loaded only after the endpoint's vetter loaded it in a
+throwaway process (:meth:`NixlEndpoint.vet`); a refusal there is an
+:class:`AgentRefused` too.
 
 Threading: event loop thread only.
 """
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import struct
 from typing import TYPE_CHECKING
+
+from tiercache.nixl_vetting import MetadataRefused
 
 if TYPE_CHECKING:
     from tiercache.server.nixl_path import NixlEndpoint
@@ -58,10 +62,12 @@ class AgentOwners:
         entry = self._owners.get(name)
         return entry[0] if entry is not None else None
 
-    def add(self, nixl: NixlEndpoint, tenant: str, metadata: bytes) -> str:
+    async def add(self, nixl: NixlEndpoint, tenant: str, metadata: bytes) -> str:
         """Load a connection's agent for ``tenant``; its name. AgentRefused if another tenant holds it."""
         name = agent_name(metadata)
         self._check(name, tenant)
+        await _vet(nixl, metadata, name)
+        self._check(name, tenant)  # again: another connection may have loaded it meanwhile
         loaded = nixl.add_peer(metadata)
         if loaded != name:  # the header and NIXL disagree: trust neither
             nixl.drop_peer(loaded)
@@ -70,11 +76,12 @@ class AgentOwners:
         self._owners[loaded] = (owner, count + 1)
         return loaded
 
-    def update(self, nixl: NixlEndpoint, own: str, tenant: str, metadata: bytes) -> None:
+    async def update(self, nixl: NixlEndpoint, own: str, tenant: str, metadata: bytes) -> None:
         """AGENT_META: reload the connection's own agent ``own``; AgentRefused for any other name."""
         name = agent_name(metadata)
         if name != own:
             raise AgentRefused("AGENT_META names another agent than this connection's")
+        await _vet(nixl, metadata, name)
         self._check(name, tenant)
         nixl.update_peer(metadata)
 
@@ -91,3 +98,12 @@ class AgentOwners:
         owner = self.owner(name)
         if owner is not None and owner != tenant:
             raise AgentRefused("that NIXL agent name is in use by another client")
+
+
+async def _vet(nixl: NixlEndpoint, metadata: bytes, name: str) -> None:
+    try:
+        vetted = await nixl.vet(metadata)
+    except MetadataRefused as exc:
+        raise AgentRefused(str(exc)) from None
+    if vetted != name:
+        raise AgentRefused("NIXL agent metadata names another agent than its header")

@@ -3,7 +3,9 @@
 The server has one NIXL agent with its whole host slab registered once (one
 DRAM region). A client that has NIXL sends its agent name and metadata in
 HELLO (and again in AGENT_META when it registers more memory); the server
-loads it (``add_remote_agent``; loading again updates it) and then moves
+loads it (``add_remote_agent``; loading again updates it) once a throwaway
+process has loaded it first and survived (:mod:`tiercache.nixl_vetting`: a
+malformed UCX address aborts the process that loads it), and then moves
 values between its slots and the client's registered buffers with one
 transfer per request. The control messages and replies still go over the TCP
 connection; a transfer error fails the request's keys, never the connection.
@@ -39,6 +41,8 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from tiercache.nixl_vetting import MetadataVetter
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,15 @@ class NixlEndpoint:
         self._peers: dict[str, int] = {}  # remote agent name -> connections using it
         self._stuck: list[tuple[Any, Settle]] = []  # transfers NIXL could not cancel, until they end
         self._reaper: asyncio.Task[None] | None = None
+        self.vetter = MetadataVetter(timeout_s=timeout_s)
+        self.vetter.start()
+
+    async def vet(self, metadata: bytes) -> str:
+        """The agent name ``metadata`` loads as, once a throwaway agent loaded it; MetadataRefused if not.
+
+        Call before :meth:`add_peer` / :meth:`update_peer` with the same bytes (they load unvetted).
+        """
+        return await asyncio.to_thread(self.vetter.vet, metadata)
 
     def add_peer(self, metadata: bytes) -> str:
         """Load (or reload) a client's agent metadata; its agent name."""
@@ -200,6 +213,7 @@ class NixlEndpoint:
             self._stuck = still
 
     def close(self) -> None:
+        self.vetter.close()
         for handle, settle in self._stuck:
             if self._release(handle):
                 settle(False)

@@ -41,7 +41,7 @@ Threading: worker main thread only.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -308,25 +308,7 @@ class WorkerPipeline:
         reader: past it this returns without those jobs, never raises (the caller gives them up).
         """
         pending = set(job_ids)
-        out: list[JobResult] = []
-        limit = self.load_deadline_s + 60.0 if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        while pending:
-            batch = self.poll()
-            out.extend(batch)
-            pending.difference_update(r.job_id for r in batch)
-            if pending:
-                if time.monotonic() > deadline:
-                    faults.record(faults.LOAD_DEADLINE, f"jobs {sorted(pending)} not done in {limit:g}s: "
-                                  "given up", where="wait_for")
-                    break
-                if not self._staging:
-                    batch = self.await_copies()  # only device copies left: block
-                    out.extend(batch)
-                    pending.difference_update(r.job_id for r in batch)
-                else:
-                    time.sleep(0.0002)
-        return out
+        return self._poll_until(pending, lambda: not pending, timeout_s, "wait_for")
 
     def wait_before_compute(self, job_ids: Iterable[int], timeout_s: float | None = None
                             ) -> tuple[list[JobResult], set[int]]:
@@ -341,6 +323,19 @@ class WorkerPipeline:
         pending = set(job_ids)
         if not self.engine.orders_on_device:
             return self.wait_for(pending, timeout_s), set()
+        out = self._poll_until(pending, lambda: not pending & self._staging.keys(), timeout_s, "wait_before_compute")
+        on_device = pending - self._staging.keys()
+        self.engine.order_before_compute(on_device)
+        return out, on_device
+
+    def _poll_until(self, pending: set[int], enough: Callable[[], bool], timeout_s: float | None,
+                    where: str) -> list[JobResult]:
+        """Poll until ``enough()``: the results (their ids leave ``pending``, which ``enough`` may read).
+
+        Past ``timeout_s`` (default: the load deadline plus a minute) it records a
+        LOAD_DEADLINE fault and returns what it has. When nothing is staging (only
+        device copies left) it blocks on the copies instead of polling.
+        """
         out: list[JobResult] = []
         limit = self.load_deadline_s + 60.0 if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
@@ -348,12 +343,18 @@ class WorkerPipeline:
             batch = self.poll()
             out.extend(batch)
             pending.difference_update(r.job_id for r in batch)
-            if not pending & self._staging.keys() or time.monotonic() > deadline:
-                break
-            time.sleep(0.0002)
-        on_device = pending - self._staging.keys()
-        self.engine.order_before_compute(on_device)
-        return out, on_device
+            if enough():
+                return out
+            if time.monotonic() > deadline:
+                faults.record(faults.LOAD_DEADLINE, f"jobs {sorted(pending)} not done in {limit:g}s: given up",
+                              where=where)
+                return out
+            if self._staging:
+                time.sleep(0.0002)
+                continue
+            batch = self.await_copies()  # only device copies left: block
+            out.extend(batch)
+            pending.difference_update(r.job_id for r in batch)
 
     def wait_all(self, timeout_s: float = 60.0) -> list[JobResult]:
         """Poll until nothing is outstanding within its deadline, or ``timeout_s`` (shutdown, tests)."""
