@@ -15,17 +15,24 @@ anything else raises :class:`UnsupportedKVGroups`):
   are the shared tensors' pages of that group's blocks); the key stays the
   tokens' key (the namespace names the group structure), so a hit is as long
   for every group, and one lookup answers for all of them.
-* **Stores skip null blocks** (:func:`chunk_segments`): a sliding-window block
-  vLLM already freed is not stored; its slot positions hold nothing useful.
-  A hit ending at token ``L`` needs a window group's blocks covering
-  ``[L - window, L)`` only, and those were all inside the window, so
-  allocated, when their chunks were stored (a store runs in the step that
-  completes its chunk; vLLM frees a block only once it is a whole window
-  behind the tokens computed before that step).
+* **A chunk is stored only with every block a later hit may load**
+  (:func:`kept_from`, :func:`chunk_complete`): a hit ending at token ``L``
+  needs a window group's blocks covering ``[L - window + 1, L)`` only. Hits
+  end at most one token before the end of their last chunk, so a window
+  group's blocks a whole window before a chunk's end are never loaded
+  again: a store leaves them out (a window-aware store: with a
+  window shorter than a chunk, part of the window group's blocks is not
+  copied), and needs every block from there to the chunk's end allocated in
+  every group. A request whose table lacks one (vLLM's null block: a prefix
+  of the request hit vLLM's own cache, which gives a window group only the
+  blocks inside the window; or a P/D consumer's loaded blocks) does not store
+  that chunk: its slot would hold stale bytes where a later hit loads.
+  Control: ``faults.store_incomplete_chunks``.
 * **Loads write only the blocks vLLM allocated**: for a window group, vLLM's
   table for the loaded range holds null blocks outside the window; they are
   skipped, so a window group moves at most a window's blocks per hit, not the
-  prefix's.
+  prefix's. An allocated block the store left out (vLLM asking for more than
+  its window, which it does not) fails the load: recomputed, never stale.
 
 Failures: vLLM 0.32 refuses failed *blocks* from a connector once a model
 has several KV-cache groups (it raises, and the engine dies), and takes failed
@@ -36,14 +43,15 @@ token 0.
 
 P/D: mode ``via_host`` hands a hybrid model's chunks over like any other (the
 consumer's reader reads one entry per run of blocks, tiercache/pd/peer_tier.py);
-mode ``direct`` (the producer's blocks named per key) is refused at start-up.
+in mode ``direct`` each key names every group's device blocks, group-major, -1
+where the producer holds none (connector/pd/direct_blocks.py).
 
 Pure functions of vLLM's configs and block tables; scheduler thread only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -118,20 +126,56 @@ def engine_groups(kv_cache_config: KVCacheConfig) -> tuple[tuple[KVGroup, ...], 
     return tuple(kinds), specs_of[0]
 
 
+def kept_from(groups: Sequence[KVGroup], chunk: int, end_token: int, bpc: int, block_size: int) -> tuple[int, ...]:
+    """Per group, the first request block of chunk ``chunk`` a store keeps (and a later hit may load).
+
+    ``end_token``: the token after the chunk's last stored one (its end, or a prompt tail's).
+    Full attention: the chunk's first block. A window group: the block holding token
+    ``end_token - window`` (never before the chunk's first block): a hit using the chunk
+    ends at token ``L >= end_token - 1`` (vLLM computes the last prompt token itself) and
+    needs the blocks from the one holding ``L - window + 1`` on.
+    """
+    start = chunk * bpc
+    return tuple(max(start, (end_token - g.window) // block_size) if g.kind == SLIDING_WINDOW else start
+                 for g in groups)
+
+
+def chunk_complete(group_block_ids: Sequence[Sequence[int]], floors: Sequence[int], end: int,
+                   null_block: int) -> bool:
+    """Every group has an allocated block at every position ``floors[g] .. end - 1``."""
+    return all(len(ids) >= end and null_block not in ids[lo:end] for ids, lo in zip(group_block_ids, floors))
+
+
+def storable(group_block_ids: Sequence[Sequence[int]], groups: Sequence[KVGroup], extent: Mapping[bytes, tuple[int, int]],
+             bpc: int, block_size: int, null_block: int, incomplete_too: bool = False) -> dict[bytes, tuple[int, ...]]:
+    """The keys a store may take, each with the first block it keeps per group (:func:`kept_from`).
+
+    ``extent``: each key's chunk and end token. A key goes only when every block a
+    later hit may load is allocated (``incomplete_too``: regardless; a negative control).
+    """
+    out: dict[bytes, tuple[int, ...]] = {}
+    for key, (chunk, end_token) in extent.items():
+        floors = kept_from(groups, chunk, end_token, bpc, block_size)
+        if incomplete_too or chunk_complete(group_block_ids, floors, -(-end_token // block_size), null_block):
+            out[key] = floors
+    return out
+
+
 def chunk_segments(slot: int, group_block_ids: Sequence[Sequence[int]], chunk: int, lo: int, hi: int,
-                   bpc: int, null_block: int) -> list[CopySegment]:
+                   bpc: int, null_block: int, floors: Sequence[int] | None = None) -> list[CopySegment]:
     """The copy segments of request blocks ``lo .. hi - 1`` (all inside chunk ``chunk``), every group.
 
     Group ``g``'s block at request position ``b`` goes to chunk position
-    ``g * bpc + b - chunk * bpc``; null blocks (and positions past a table's
-    end) are skipped, so each run of allocated blocks is one segment.
+    ``g * bpc + b - chunk * bpc``; null blocks, positions past a table's end
+    and positions before ``floors[g]`` (:func:`kept_from`) are skipped, so each
+    run of allocated blocks is one segment.
     """
     segments: list[CopySegment] = []
     base = chunk * bpc
     for g, ids in enumerate(group_block_ids):
         run: list[int] = []
         first = 0
-        for b in range(lo, min(hi, len(ids))):
+        for b in range(max(lo, floors[g]) if floors is not None else lo, min(hi, len(ids))):
             block = ids[b]
             if block == null_block:
                 if run:
@@ -144,3 +188,13 @@ def chunk_segments(slot: int, group_block_ids: Sequence[Sequence[int]], chunk: i
         if run:
             segments.append(CopySegment(slot, first, tuple(run)))
     return segments
+
+
+def load_segments(group_block_ids: Sequence[Sequence[int]], groups: Sequence[KVGroup], chunk: int, lo: int,
+                  hi: int, bpc: int, block_size: int, null_block: int) -> tuple[list[CopySegment], bool]:
+    """A load of blocks ``lo .. hi - 1`` of whole chunk ``chunk``: the segments its store kept, and whether
+    they are every block vLLM allocated there (False: the store left one out; the load must fail)."""
+    floors = kept_from(groups, chunk, (chunk + 1) * bpc * block_size, bpc, block_size)
+    kept = chunk_segments(-1, group_block_ids, chunk, lo, hi, bpc, null_block, floors)
+    allocated = chunk_segments(-1, group_block_ids, chunk, lo, hi, bpc, null_block)
+    return kept, sum(len(s.block_ids) for s in kept) == sum(len(s.block_ids) for s in allocated)

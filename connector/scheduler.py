@@ -24,10 +24,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.engine_info import ChunkGeometry
-from tiercache.connector.kv_groups import chunk_segments
+from tiercache.connector.kv_groups import chunk_segments, load_segments, storable
 from tiercache.connector.lower_tiers import ask_shared_tiers, lower_tier_specs, make_backends, recover_lower_tiers
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.connector.pd.roles import SchedulerPD, pd_settings
+from tiercache.connector.pd.roles import GroupBlockIds, SchedulerPD, pd_settings
 from tiercache.connector.pd.scheduler_role import PDScheduler, peer_tier_specs
 from tiercache.connector.scheduler_faults import SchedulerFaults
 from tiercache.connector.scheduler_state import JobRecord, RequestState
@@ -89,6 +89,8 @@ class TierCacheScheduler(SchedulerFaults):
         # a hybrid model's failed loads go to vLLM per request (failed_recving), which vLLM 0.32
         # takes for async loads only (connector/kv_groups.py): hybrid models load async
         self._by_request = len(geometry.engine.kv_groups) > 1
+        self._groups = geometry.engine.kv_groups
+        self._store_incomplete = config.faults.store_incomplete_chunks  # negative control only
         self._async_loads = config.load_mode == "async" or self._by_request
         self._step_failed_loads: list[str] = []
         self._reqs: dict[str, RequestState] = {}
@@ -193,7 +195,11 @@ class TierCacheScheduler(SchedulerFaults):
         for i, chunk in enumerate(range(first_chunk, last_chunk + 1)):
             lo = max(start, chunk * ct) // bs
             hi = -(-min(end, (chunk + 1) * ct) // bs)  # a partial last block loads whole
-            runs = chunk_segments(-1, tables, chunk, lo, hi, bpc, self._null_block)
+            runs, kept_all = load_segments(tables, self._groups, chunk, lo, hi, bpc, bs, self._null_block)
+            if not (kept_all or chunk == len(chunk_keys) or self._store_incomplete):  # (a tail: not checked)
+                # vLLM allocated a window block before what a store keeps: recomputed, never stale
+                faults.record(faults.WINDOW_BLOCK_NOT_STORED, f"chunk {chunk} of {request.request_id}", where="load")
+                self._step_failed_loads.append(request.request_id)
             if i >= len(plan.keys):
                 # No host slot could be freed to stage this chunk: a failed load, recomputed.
                 if self._by_request:
@@ -280,29 +286,29 @@ class TierCacheScheduler(SchedulerFaults):
             # P/D producer, via_host: the prompt's partial last chunk goes with its chunks
             tail = self.pd.store_tail(request)
             st.tail_stored = True
-        if tail is not None:
-            keys.append(tail.key)
-        if not keys:
+        bpc, ct = self.bpc, self.chunk_tokens
+        extent = {key: (first + i, (first + i + 1) * ct) for i, key in enumerate(keys)}  # chunk, end token
+        if tail is not None:  # its blocks, the last partly filled
+            extent[tail.key] = (tail.chunk, tail.chunk * ct + tail.tokens)
+        if not extent:
             return None
-        plan = self.manager.prepare_store(keys)
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        tables = self._kv_cache_manager.get_block_ids(req_id)  # one block table per KV-cache group
+        # a chunk goes only with every block a later hit may load (connector/kv_groups.py)
+        floors = storable(tables, self._groups, extent, bpc, self.block_size, self._null_block, self._store_incomplete)
+        if len(floors) < len(extent):
+            self._count("incomplete_chunks_skipped", len(extent) - len(floors))
+        plan = self.manager.prepare_store(list(floors)) if floors else None
         if plan is None:
             return None
         if plan.evicted:
             self.metrics.label(self.metrics.evictions, plan.tier).inc(len(plan.evicted))
             self._count("evicted_chunks", len(plan.evicted))
-        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        tables = self._kv_cache_manager.get_block_ids(req_id)  # one block table per KV-cache group
-        chunk_of = {key: first + i for i, key in enumerate(keys)}
-        bpc = self.bpc
         segments = []
         for key, slot in zip(plan.keys, plan.slots):
-            if tail is not None and key == tail.key:  # its blocks, the last partly filled
-                c, end = tail.chunk, tail.chunk * bpc + tail.blocks(self.block_size)
-            else:
-                c = chunk_of[key]
-                end = (c + 1) * bpc
-            # every group's blocks of the chunk, vLLM's null blocks (out of a window) skipped
-            segments.extend(chunk_segments(slot, tables, c, c * bpc, end, bpc, self._null_block))
+            c, end = extent[key][0], -(-extent[key][1] // self.block_size)
+            # every group's blocks a later hit may load (a window group's older ones left out)
+            segments.extend(chunk_segments(slot, tables, c, c * bpc, end, bpc, self._null_block, floors[key]))
         self._count("store_jobs", 1)
         job = StoreJob(self._new_job_id("store", req_id, plan.keys), req_id, plan.keys, tuple(segments))
         self.store_pins.hold(job.job_id, job.block_ids())  # connector/store_pins.py
@@ -359,14 +365,15 @@ class TierCacheScheduler(SchedulerFaults):
             self.metrics.label(self.metrics.used_bytes, name).set(used * self.geometry.slot_bytes)
 
     # ------------------------------------------------------------ the rest
-    def request_finished(self, request: Request, block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, tables: GroupBlockIds | None = None) -> tuple[bool, dict[str, Any] | None]:
+        """``tables``: the request's block ids per KV-cache group (vLLM's ``request_finished_all_groups``)."""
         # Stores planned for the request pin their blocks until every worker copied them
         # (connector/store_pins.py), as a P/D hand-off in mode direct does (connector/pd/
         # scheduler_role.py): vLLM may free the request's blocks at once, nothing to delay.
         self._reqs.pop(request.request_id, None)
         if self._shared is not None:
             self._shared.forget(request.request_id)
-        return self.pd.finished(request, block_ids)
+        return self.pd.finished(request, tables)
 
     def has_pending_work(self) -> bool:
         """The engine must step on: store pins to release, or P/D hand-offs (PDScheduler.has_pending)."""
@@ -389,3 +396,4 @@ class TierCacheScheduler(SchedulerFaults):
         if self._shared is not None:
             self._shared.close()
         self.manager.shutdown()
+

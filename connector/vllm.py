@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.config.schema import ConfigError, config_from_extra
+from tiercache.config.schema import config_from_extra
 from tiercache.metrics import TierCacheMetrics
 
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry, parallel_rank
@@ -37,12 +37,11 @@ from tiercache.connector import guard
 from tiercache.connector.events import to_vllm_events
 from tiercache.connector.guard import contained
 from tiercache.connector.inactive import InactiveScheduler, InactiveWorker
-from tiercache.connector.kv_groups import UnsupportedKVGroups, describe_groups
+from tiercache.connector.kv_groups import UnsupportedKVGroups
 from tiercache.connector.logs import adopt_vllm_logging
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.model_identity import model_identity_fields, scheduler_attention_view
 from tiercache.connector.namespace_check import SchedulerGate, WorkerNamespace
-from tiercache.connector.pd.roles import pd_settings
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.stats import TierCacheStats
 from tiercache.connector.worker import TierCacheWorker
@@ -96,11 +95,6 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker = InactiveWorker(str(exc))  # type: ignore[assignment]
                 self._namespace = None
             return
-        pd = pd_settings(transfer.kv_role, self.config.pd)
-        if len(engine.kv_groups) > 1 and pd is not None and pd.mode != "via_host":
-            raise ConfigError(
-                f"tiercache: pd.mode {pd.mode} does not support hybrid models yet (KV-cache groups "
-                f"{describe_groups(engine.kv_groups)}); use pd.mode via_host")
         geometry = ChunkGeometry.build(self.config, engine)
         if role == KVConnectorRole.SCHEDULER:
             # A failed load must become a recompute, not a failed request (docs/architecture.md, Faults);
@@ -260,13 +254,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._s().request_finished(request, block_ids)
+        return self._s().request_finished(request, (block_ids,))
 
     @contained(guard.NOT_DELAYED)
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._s().request_finished(request, block_ids[0] if block_ids else [])
+        return self._s().request_finished(request, block_ids)
 
     @contained(False)
     def has_pending_push_work(self) -> bool:

@@ -10,7 +10,8 @@ Rooms, each a sub-package whose ``__init__`` says what it owns and may import
 vocabulary every room shares, in this folder: ``backend`` (the plugin
 contract), ``keys``, ``jobs`` (what the scheduler hands the worker), ``layout``,
 ``shards``, ``faults``, ``events``, ``metrics``, ``integrity`` (with ``mac``),
-``counters``, ``buffers``; and ``config`` below them all. ``testing`` is the kit for tests
+``counters``, ``buffers``, ``nixl_vetting`` (a peer's NIXL metadata loaded in a
+throwaway process first); and ``config`` below them all. ``testing`` is the kit for tests
 and plugin authors. Nothing here imports ``tiercache.backends`` or
 ``tiercache.connector``.
 """

@@ -39,6 +39,7 @@ READER_EXCEPTION = "reader_exception"  # the P/D reader caught an unexpected exc
 DELETE_DROPPED = "delete_dropped"  # the housekeeping queue was full: deletes dropped
 LOOKUP_TIMEOUT = "lookup_timeout"  # a shared tier did not answer a lookup in time
 INTEGRITY = "integrity"  # a tier returned other bytes than this worker wrote (tiercache/tiers/chunk_digests.py)
+WINDOW_BLOCK_NOT_STORED = "window_block_not_stored"  # vLLM allocated a window block a store leaves out (connector/kv_groups.py)
 
 
 @dataclass

@@ -40,7 +40,7 @@ from tiercache.jobs import FromReader, LoadChunk
 from tiercache.keys import KeySpace
 from tiercache.manager.offloading import OffloadingManager
 from tiercache.pd.channel import key_tag
-from tiercache.pd.handoff import Handoff, HandoffError
+from tiercache.pd.handoff import Handoff, HandoffError, group_count
 from tiercache.pd.heads import tp_mismatches
 from tiercache.pd.peer_tier import PEER_TIER, PeerChunk, PeerSource
 from tiercache.pd.trust import ProducerTrust
@@ -125,7 +125,10 @@ class PeerOffers:
                          handoff.release_token)
         self.manager.cascade.learn(PEER_TIER, offered)
         if handoff.mode == "direct":  # no page hashes (tiercache.pd.page_hashes): tags only
-            for key, blocks in zip(offered, handoff.blocks_of(self.blocks_per_chunk)):
+            # a hybrid model's key names every group's blocks (connector/pd/direct_blocks.py); the
+            # fingerprints matched, so the producer's groups are ours
+            per_key = self.blocks_per_chunk * group_count(self.keys.namespace.kv_groups)
+            for key, blocks in zip(offered, handoff.blocks_of(per_key)):
                 self._sources[key] = PeerChunk(src, -1, blocks, key_tag(key))
         else:
             verify = self.can_verify and not hetero

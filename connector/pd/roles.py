@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from tiercache.transfer.engine import TransferEngine
     from tiercache.transfer.pipeline import BlockReader, WorkerPipeline
 
+#: a request's block ids per KV-cache group (vLLM's ``get_block_ids`` / ``request_finished_all_groups``)
+GroupBlockIds = Sequence[Sequence[int]]
+
 PRODUCER_ROLES = ("kv_producer", "kv_both")
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
 
@@ -108,8 +111,8 @@ class SchedulerPD:
     def load_finished(self, keys: tuple[bytes, ...], failed: set[bytes]) -> None:
         """A load ended (its peer chunks are forgotten: the producer releases them)."""
 
-    def finished(self, request: Request, block_ids: list[int] | None) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's ``request_finished``: (delay freeing the blocks?, hand-off params)."""
+    def finished(self, request: Request, tables: GroupBlockIds | None) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished_all_groups``: (delay freeing the blocks?, hand-off params)."""
         return False, None
 
     def has_pending(self) -> bool:

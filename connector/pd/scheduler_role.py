@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.block_pins import BlockPins, VllmBlockPins
 from tiercache.connector.pd.consumer import PeerOffers
+from tiercache.connector.pd.direct_blocks import NO_BLOCK, key_blocks
 from tiercache.connector.pd.holds import Hold, Pinned, take_reported
-from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, SchedulerPD
+from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, GroupBlockIds, SchedulerPD
 from tiercache.connector.pd.step import DirectHold, PDStepMeta, PDWorkerReport
 from tiercache.connector.prompt_tail import PromptTail, prompt_tail
 
@@ -101,6 +102,7 @@ class PDScheduler(SchedulerPD):
         self.metrics = metrics
         self._published: dict[str, int] = {}
         self._kv_cache_manager: KVCacheManager | None = None
+        self._null_block = 0  # vLLM's null block id, set at bind
         self._holds: dict[str, Hold] = {}
         # mode direct: the blocks marked on the worker, per request; for the next step's
         # metadata: marks to set, marks to clear (no hand-off after all: preempted, stopped,
@@ -134,6 +136,8 @@ class PDScheduler(SchedulerPD):
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
+        pool = getattr(kv_cache_manager, "block_pool", None)
+        self._null_block = int(pool.null_block.block_id) if pool is not None else 0  # a window group's freed blocks
         if self.marks_prefills:
             self.bind_pins(VllmBlockPins.of(kv_cache_manager))  # mode direct pins hand-off blocks
 
@@ -155,7 +159,7 @@ class PDScheduler(SchedulerPD):
     def scheduled(self, request: Request, num_new: int) -> None:
         if self.marks_prefills and request.num_computed_tokens + num_new >= request.num_prompt_tokens:
             assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-            self.mark_prefill(request, self._kv_cache_manager.get_block_ids(request.request_id)[0])
+            self.mark_prefill(request, self._kv_cache_manager.get_block_ids(request.request_id))
 
     def step_meta(self) -> PDStepMeta:
         self.expire()
@@ -177,10 +181,10 @@ class PDScheduler(SchedulerPD):
         if self.peers is not None:
             self.peers.load_finished(keys, failed)
 
-    def finished(self, request: Request, block_ids: list[int] | None) -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Request, tables: GroupBlockIds | None) -> tuple[bool, dict[str, Any] | None]:
         if self.peers is not None:
             self.peers.forget(request.request_id)
-        return self.request_finished(request, block_ids)
+        return self.request_finished(request, tables)
 
     def _publish(self) -> None:
         """The P/D counters and held chunks, to the metrics."""
@@ -218,24 +222,24 @@ class PDScheduler(SchedulerPD):
             return True
         return self.settings.nixl_error_handling == "peer" and bool(self._holds)
 
-    def _direct_hold(self, request: Request, block_ids: list[int]) -> DirectHold | None:
-        """The prompt's full chunks and tail, and their blocks (None: not a mode-direct hand-off)."""
+    def _direct_hold(self, request: Request, tables: GroupBlockIds) -> DirectHold | None:
+        """The prompt's full chunks and tail, and their blocks (None: not a mode-direct hand-off).
+
+        ``tables``: the request's blocks per KV-cache group; a key names every group's
+        (connector/pd/direct_blocks.py).
+        """
         params = request.kv_transfer_params or {}
         if not (self.marks_prefills and params.get("do_remote_decode")):
             return None
         keys = self.keys.chunk_keys(request.block_hashes)
-        bpc = self.blocks_per_chunk
         whole = request.num_prompt_tokens // self.chunk_tokens
-        n = min(whole, len(keys), len(block_ids) // bpc)
-        held = [(keys[i], tuple(block_ids[i * bpc:(i + 1) * bpc])) for i in range(n)]
-        tail = self._tail(request) if n == whole else None
-        if tail is not None and len(block_ids) >= n * bpc + tail.blocks(self.block_size):
-            held.append((tail.key, tuple(block_ids[n * bpc:n * bpc + tail.blocks(self.block_size)])))
-        else:
-            tail = None
-        if not held:
+        tail = self._tail(request) if len(keys) >= whole else None
+        blocks, with_tail = key_blocks(tables, min(whole, len(keys)), self.blocks_per_chunk,
+                                       tail.blocks(self.block_size) if tail else 0, self._null_block)
+        held_keys = keys[:len(blocks) - with_tail] + ([tail.key] if tail is not None and with_tail else [])
+        if not held_keys:
             return None
-        return DirectHold(tuple(k for k, _ in held), tuple(b for _, b in held), tail.tokens if tail else 0)
+        return DirectHold(tuple(held_keys), tuple(blocks), tail.tokens if tail is not None and with_tail else 0)
 
     def _tail(self, request: Request) -> PromptTail | None:
         return prompt_tail(request, self.keys, self.chunk_tokens, self.block_size)
@@ -247,11 +251,11 @@ class PDScheduler(SchedulerPD):
             return None
         return self._tail(request)
 
-    def mark_prefill(self, request: Request, block_ids: list[int]) -> None:
+    def mark_prefill(self, request: Request, tables: GroupBlockIds) -> None:
         """Mode direct: this step's forward pass completes the prompt; the worker marks its blocks after it."""
         if request.request_id in self._marked:
             return
-        hold = self._direct_hold(request, block_ids)
+        hold = self._direct_hold(request, tables)
         if hold is not None:
             self._marked[request.request_id] = hold
             self._new_direct[request.request_id] = hold
@@ -263,8 +267,9 @@ class PDScheduler(SchedulerPD):
             self._unmark_direct.append(request_id)
 
     # ------------------------------------------------------------------ producer
-    def request_finished(self, request: Request, block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
-        """(delay freeing the blocks?, hand-off params) for a finished request."""
+    def request_finished(self, request: Request, tables: GroupBlockIds | None = None
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks?, hand-off params) for a finished request; ``tables``: its blocks per group."""
         params = request.kv_transfer_params or {}
         if not self.is_producer or not params.get("do_remote_decode"):
             return False, None
@@ -273,7 +278,7 @@ class PDScheduler(SchedulerPD):
         if self.settings.mode == "direct":
             rid = request.request_id
             marked = self._marked.pop(rid, None)
-            hold = self._direct_hold(request, list(block_ids or [])) if _length_capped(request) else None
+            hold = self._direct_hold(request, tables or ()) if _length_capped(request) else None
             if hold is None:
                 held, where = [], []
                 if marked is not None:  # stopped or aborted: no decode to hand off to
@@ -289,8 +294,9 @@ class PDScheduler(SchedulerPD):
                     self._new_direct[rid] = hold
                 self._holds[rid] = Hold(held, deadline, direct=True)
                 # our own reference: vLLM frees the request now and the blocks stay allocated
-                self.pins.pin(where)
-                self._pinned[rid] = Pinned(where, deadline)
+                pinned = [b for b in where if b != NO_BLOCK]
+                self.pins.pin(pinned)
+                self._pinned[rid] = Pinned(pinned, deadline)
         else:
             prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
             keys = self.keys.chunk_keys(request.block_hashes)[:prompt_chunks]

@@ -18,11 +18,26 @@ evicts), each run once for the whole module:
 * ``corrupt_sw``: the negative control: ``faults.corrupt_loads_group`` zeroes the
   sliding-window group's loaded blocks only; the output of a hit round must change.
 
+* ``small_host``: a host tier of six chunks, rounds 0 and 7-10 (below): tiercache
+  evicts a prompt vLLM's own prefix cache still holds;
+* ``incomplete_stores``: the same with ``faults.store_incomplete_chunks`` (the
+  negative control of the rule that a chunk is stored only with every block a
+  later hit loads): round 10's output must change;
+* ``big_chunk``: 512-token chunks, longer than the window: a window-aware store
+  keeps only the last window of each chunk's window-group blocks (rounds 0-2).
+
 Rounds: (0) warm-up; (1) prompts sharing a 512-token prefix; (2) the same, one at
 a time, after ``reset_prefix_cache()`` (hits only from tiercache); (3) a 4-turn
 conversation with the engine cache reset between turns (turn 2 hits a chunk
 completed by generated tokens); (4) more distinct prompts than the engine's KV
-space; (5) the first of them again, one at a time; (6) the KV-cache groups.
+space; (5) the first of them again, one at a time; (6) the KV-cache groups;
+(7) a prompt P (four chunks); (8) another, X: the small host tier evicts P's
+last two chunks (deepest first), vLLM keeps P; (9) P with more tokens: a hit in
+vLLM's own cache, whose window group holds only the last window's blocks, so
+P's chunk 2 cannot be stored whole again (its first two window blocks are
+vLLM's null block); (10) after ``reset_prefix_cache()``, P's first three chunks
+with another ending: a hit on chunk 2 would load window-group positions nobody
+wrote.
 
 Bytes moved per hit token (tiercache's ``host_to_device`` transfer bytes over its
 hit tokens, rounds 2, 3 and 5) are printed, with the bytes stored per token, for
@@ -58,6 +73,10 @@ CONV_MAX_TOKENS = 64
 HIT_ROUNDS = (2, 5)
 CONV_ROUND = 3
 GROUPS_ROUND = 6
+STALE_ROUND = 10  # the round a stored incomplete chunk would be loaded in
+SMALL_HOST_CHUNKS = 6
+BIG_CHUNK = 512  # longer than the window
+ROUNDS_OF = {"small_host": (0, 7, 8, 9, 10), "incomplete_stores": (0, 7, 8, 9, 10), "big_chunk": (0, 1, 2)}
 ENGINE_TIMEOUT_S = 300
 ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the worker call of round 6
 
@@ -77,6 +96,7 @@ def workload() -> list[dict[str, Any]]:
     shared = random_prompts(1, SHARED_PREFIX, seed=61)[0]
     prefixed = [p for i in range(6) for p in random_prompts(1, 300 + 20 * i, seed=70 + i, shared_prefix=shared)]
     distinct = random_prompts(10, 700, seed=62)
+    p_prompt = random_prompts(1, 600, seed=65)[0]
     return [
         {"prompts": random_prompts(2, 64, seed=98), "max_tokens": 4, "warmup": True},
         {"prompts": prefixed, "max_tokens": 16},
@@ -95,6 +115,11 @@ def workload() -> list[dict[str, Any]]:
         {"prompts": distinct, "max_tokens": 8},
         {"prompts": distinct[:4], "max_tokens": 8, "sequential": True},
         {"worker_call": f"{__name__}:kv_cache_groups"},
+        {"prompts": [p_prompt], "max_tokens": 4},
+        {"prompts": random_prompts(1, 600, seed=66), "max_tokens": 4},
+        {"prompts": random_prompts(1, 124, seed=67, shared_prefix=p_prompt[:576]), "max_tokens": 4},
+        {"prompts": random_prompts(1, 300, seed=68, shared_prefix=p_prompt[:3 * CHUNK]), "max_tokens": 8,
+         "reset_prefix_cache_before": True},
     ]
 
 
@@ -108,8 +133,13 @@ def spec(model: pathlib.Path, name: str, disk_root: pathlib.Path) -> dict[str, A
         kv_extra = {"host_capacity": DISK_HOST_CHUNKS * CHUNK * FULL_KV_BYTES_PER_TOKEN}
     elif name == "corrupt_sw":
         kv_extra = {"faults": {"corrupt_loads_group": SW_GROUP}}
-    return engine_spec(model, CHUNK, lower, workload(), kv_extra=kv_extra, num_gpu_blocks_override=ENGINE_BLOCKS,
-                       env=ENV)
+    elif name in ("small_host", "incomplete_stores"):
+        kv_extra = {"host_capacity": SMALL_HOST_CHUNKS * CHUNK * FULL_KV_BYTES_PER_TOKEN}
+        if name == "incomplete_stores":
+            kv_extra["faults"] = {"store_incomplete_chunks": True}
+    rounds = [r for i, r in enumerate(workload()) if i in ROUNDS_OF.get(name, range(99))]
+    return engine_spec(model, BIG_CHUNK if name == "big_chunk" else CHUNK, lower, rounds, kv_extra=kv_extra,
+                       num_gpu_blocks_override=ENGINE_BLOCKS, env=ENV)
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +151,16 @@ def swa_model(models_root: pathlib.Path) -> pathlib.Path:
 def runs(swa_model: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("hybrid")
     return {name: run_engine(spec(swa_model, name, tmp / "disk-tier"), timeout_s=ENGINE_TIMEOUT_S, workdir=tmp / name)
-            for name in ("baseline", "host", "disk", "corrupt_sw")}
+            for name in ("baseline", "host", "disk", "corrupt_sw", "small_host", "incomplete_stores", "big_chunk")}
 
 
 def outputs(result: dict[str, Any]) -> list[list[list[int]]]:
     return [[r["output_token_ids"] for r in rnd["requests"]] for rnd in result["rounds"]]
+
+
+def round_of(runs: dict[str, dict[str, Any]], name: str, rnd: int) -> dict[str, Any]:
+    """Engine ``name``'s round that is the workload's round ``rnd`` (engines may run a subset)."""
+    return runs[name]["rounds"][ROUNDS_OF.get(name, range(99)).index(rnd)]
 
 
 def cached(result: dict[str, Any], rnd: int) -> list[int]:
@@ -171,17 +206,49 @@ def transfer_report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def test_kv_cache_groups(runs: dict[str, dict[str, Any]]) -> None:
     """Two groups, full then sliding window, in every engine: the negative control corrupts the right one."""
     for name, result in runs.items():
+        if GROUPS_ROUND not in ROUNDS_OF.get(name, range(99)):
+            continue
         (info,) = result["rounds"][GROUPS_ROUND]["results"]
         specs = [(g["spec"], g["sliding_window"]) for g in info["groups"]]
         assert specs == [("FullAttentionSpec", None), ("SlidingWindowSpec", WINDOW)], (name, info)
         assert info["num_blocks"] == ENGINE_BLOCKS, (name, info)
 
 
-@pytest.mark.parametrize("name", ["host", "disk"])
+@pytest.mark.parametrize("name", ["host", "disk", "small_host", "big_chunk"])
 def test_output_identical_with_tiercache(runs: dict[str, dict[str, Any]], name: str) -> None:
     base, tc = outputs(runs["baseline"]), outputs(runs[name])
-    for i, (b, t) in enumerate(zip(base, tc, strict=True)):
-        assert t == b, f"round {i}: greedy tokens differ with tiercache ({name})"
+    rounds = ROUNDS_OF.get(name, range(len(base)))
+    assert len(tc) == len(rounds)
+    for i, t in zip(rounds, tc, strict=True):
+        assert t == base[i], f"round {i}: greedy tokens differ with tiercache ({name})"
+
+
+def test_negative_control_storing_incomplete_chunks_changes_output(runs: dict[str, dict[str, Any]]) -> None:
+    """Round 9 stores P's chunk 2 from a table whose window group lacks two of its blocks;
+    round 10 loads it: the unwritten window positions reach vLLM. Without the fault knob
+    (``small_host``) chunk 2 is not stored and round 10 hits chunks 0-1 only."""
+    bad = round_of(runs, "incomplete_stores", STALE_ROUND)
+    base = runs["baseline"]["rounds"][STALE_ROUND]
+    assert bad["requests"][0]["num_cached_tokens"] >= 3 * CHUNK  # the stale chunk was loaded
+    assert [r["output_token_ids"] for r in bad["requests"]] != [r["output_token_ids"] for r in base["requests"]]
+    good = round_of(runs, "small_host", STALE_ROUND)
+    assert good["requests"][0]["num_cached_tokens"] == 2 * CHUNK  # chunk 2 not stored: computed
+
+
+def test_a_window_aware_store_of_chunks_longer_than_the_window_keeps_one_window(
+        runs: dict[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 1 of ``big_chunk`` stores one 512-token chunk (the shared prefix): the full group's
+    2 KiB per token plus the window group's last 256 tokens only; round 2 (after a reset) hits it,
+    token-exact (test_output_identical_with_tiercache)."""
+    big = runs["big_chunk"]
+    r1, r2 = ROUNDS_OF["big_chunk"].index(1), ROUNDS_OF["big_chunk"].index(2)
+    stored = metric_delta(big, r1, "tiercache_transfer_bytes_total", 'path="device_to_host"')
+    expected = (BIG_CHUNK + WINDOW) * FULL_GROUP_BYTES_PER_TOKEN
+    with capsys.disabled():
+        print(f"\nwindow-aware store, {BIG_CHUNK}-token chunks, {WINDOW}-token window: "
+              f"{stored / BIG_CHUNK:,.0f} bytes stored per token (full attention: {FULL_KV_BYTES_PER_TOKEN:,})")
+    assert stored == expected, (stored, expected)
+    assert metric_delta(big, r2, "tiercache_hit_tokens_total") >= BIG_CHUNK  # (later prompts: vLLM's own cache)
 
 
 @pytest.mark.parametrize("name", ["host", "disk"])

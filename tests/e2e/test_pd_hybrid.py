@@ -5,7 +5,9 @@ as in tests/e2e/test_hybrid_models.py): group 0 full attention, group 1 a
 256-token sliding window. A via_host hand-off's chunk covers both groups (group
 ``g``'s blocks at slot positions ``g * bpc ..``, connector/kv_groups.py); the
 consumer READs one entry per run of its allocated blocks (tiercache/pd/peer_tier.py).
-Mode direct is refused for hybrid models (a ConfigError), so only via_host runs.
+In mode direct a key names every group's device blocks, group-major, -1 where the
+producer holds none (connector/pd/direct_blocks.py); the consumer READs them block
+for block.
 
 Engines (float32, 32-token blocks, 64-token chunks: two blocks per group per
 chunk), machinery and CPU pinning as in tests/e2e/test_pd.py:
@@ -29,6 +31,17 @@ chunk), machinery and CPU pinning as in tests/e2e/test_pd.py:
   prompt: the output changes. This is the negative control of the token
   equality: a hand-off whose window-group KV is wrong (not read, read from the
   wrong positions) cannot give the baseline's tokens on this model.
+
+Mode direct, a second pair (after the first is gone):
+
+* ``direct_producer`` (kv_producer, ``pd.mode: direct``): prefills A + D and holds their
+  device blocks; then (a worker call, once the params are known) zeroes the window
+  group's held blocks of D's hand-offs (after their tags were set);
+* ``direct_consumer`` (kv_consumer): decodes A (tokens equal the baseline's, one token
+  computed per prompt: both groups' blocks came from the producer's), then D: direct
+  hand-offs carry no page hashes, so D's zeroed window blocks are loaded (one token
+  computed per prompt) and the output changes: the negative control of the direct
+  token equality, one KV-cache group of one hand-off wrong.
 
 Both tiercache engines record their KV-cache groups (test_hybrid_models's worker call).
 """
@@ -105,13 +118,40 @@ def corrupt_window_group(worker: Any, params_file: str, group: int) -> dict[str,
     return {"slots": slots, "tagged": tagged, "planes": transfer.planes is not None}
 
 
+def corrupt_direct_window_group(worker: Any, params_file: str, group: int) -> dict[str, Any]:
+    """A direct producer's ``worker_call``: zero group ``group``'s held blocks of the hand-offs in
+    ``params_file`` (each key names ``groups * bpc`` blocks, group-major, -1 where none); returns how
+    many blocks, and how many were tagged with their key (held: the consumer will read them)."""
+    del worker
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tiercache.pd.channel import key_tag
+
+    tc_worker = get_kv_transfer_group()._worker
+    transfer = tc_worker.engine.engine  # WorkerPipeline -> TransferEngine
+    endpoint = tc_worker.pd.endpoint
+    per_key, per_group = transfer.blocks_per_chunk, transfer.group_blocks
+    zeroed = tagged = 0
+    for params in json.loads(pathlib.Path(params_file).read_text()):
+        blocks = params["remote_block_ids"]
+        for i, key_hex in enumerate(params["tiercache"]["chunk_keys"]):
+            for block in blocks[i * per_key + group * per_group: i * per_key + (group + 1) * per_group]:
+                if block < 0:
+                    continue
+                tagged += int(endpoint.block_tags[block]) == key_tag(bytes.fromhex(key_hex))
+                for region in transfer.layout.regions:
+                    region[block].zero_()
+                zeroed += 1
+    return {"blocks": zeroed, "tagged": tagged}
+
+
 def groups_call() -> dict[str, Any]:
     return {"worker_call": f"{kv_cache_groups.__module__}:kv_cache_groups"}
 
 
-def producer_kv(side_port: int, metrics_port: int) -> dict[str, Any]:
+def producer_kv(side_port: int, metrics_port: int, mode: str = "via_host") -> dict[str, Any]:
     return tiercache_kv_config(CHUNK, [], metrics_port=metrics_port, kv_role="kv_producer",
-                               pd={"port": side_port, "handoff_timeout_s": HANDOFF_TIMEOUT_S, "mode": "via_host"})
+                               pd={"port": side_port, "handoff_timeout_s": HANDOFF_TIMEOUT_S, "mode": mode})
 
 
 def consumer_kv(metrics_port: int, **pd: Any) -> dict[str, Any]:
@@ -181,7 +221,42 @@ def runs(models_root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         producer.kill()
         consumer.kill()
+    run_direct_pair(model, tmp, out)
     return out
+
+
+def run_direct_pair(model: pathlib.Path, tmp: pathlib.Path, out: dict[str, Any]) -> None:
+    """Mode direct: a producer holding A's and D's device blocks, a consumer decoding A then D."""
+    side, p_metrics, c_metrics = free_port(), free_port(), free_port()
+    params_a, params_d = tmp / "direct_a.json", tmp / "direct_d.json"
+    producer_rounds = [
+        {"prompts": A + D, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        {"worker_call": f"{__name__}:corrupt_direct_window_group", "barrier": "params",
+         "kwargs": {"params_file": str(params_d), "group": SW_GROUP}},
+        {"prompts": TINY, "max_tokens": 1, "barrier": "end"},  # killed while waiting here
+    ]
+    consumer_rounds = [decode_round(A, params_a, "A"),
+                       {"prompts": D, "max_tokens": MAX_TOKENS, "kv_transfer_params_file": str(params_d)}]
+    producer = EngineRun(spec(model, producer_kv(side, p_metrics, "direct"), producer_rounds, p_metrics,
+                              PRODUCER_CPU), tmp / "direct_producer")
+    consumer = EngineRun(spec(model, consumer_kv(c_metrics), consumer_rounds, c_metrics, CONSUMER_CPU),
+                         tmp / "direct_consumer")
+    try:
+        producer.wait_for("params", timeout_s=ENGINE_TIMEOUT_S)
+        handed = producer.partial("params")["rounds"][0]
+        params = [r["kv_transfer_params"] for r in handed["requests"]]
+        out["direct_producer_r0"] = handed
+        params_a.write_text(json.dumps(params[:len(A)]))
+        params_d.write_text(json.dumps(params[len(A):]))
+        producer.release("params")
+        producer.wait_for("end", timeout_s=120)
+        out["direct_producer"] = producer.partial("end")
+        consumer.wait_for("A", timeout_s=ENGINE_TIMEOUT_S)
+        consumer.release("A")
+        out["direct_consumer"] = consumer.result(timeout_s=ENGINE_TIMEOUT_S)
+    finally:
+        producer.kill()
+        consumer.kill()
 
 
 def baseline_tokens(runs: dict[str, Any], prompts: list[list[int]]) -> list[list[int]]:
@@ -234,3 +309,36 @@ def test_negative_control_unverified_corrupted_window_group_changes_output(runs:
     unverified = runs["unverified"]
     assert local_compute(unverified, 0) == len(D)
     assert tokens(unverified, 0) != baseline_tokens(runs, D)
+
+
+def test_direct_producer_names_every_groups_blocks_per_key(runs: dict[str, Any]) -> None:
+    for req, prompt in zip(runs["direct_producer_r0"]["requests"], A + D, strict=True):
+        params = req["kv_transfer_params"]
+        keys = len(prompt) // CHUNK + (1 if len(prompt) % CHUNK else 0)
+        assert params["tiercache"]["mode"] == "direct" and len(params["tiercache"]["chunk_keys"]) == keys
+        blocks = params["remote_block_ids"]
+        assert len(blocks) == keys * 2 * (CHUNK // 32)  # two groups, two blocks each per key
+        full_group = [b for i in range(keys) for b in blocks[i * 4:i * 4 + 2]]
+        assert -1 not in full_group[:(len(prompt) // 32)]  # every full-attention block of the prompt held
+
+
+def test_direct_consumer_decodes_token_exact_from_both_groups_blocks(runs: dict[str, Any]) -> None:
+    consumer = runs["direct_consumer"]
+    assert tokens(consumer, 0) == baseline_tokens(runs, A)
+    r0 = consumer["rounds"][0]
+    hit = sample(r0, "tiercache_hit_tokens_total", 'tier="peer"')
+    assert hit == sum(len(p) - 1 for p in A)
+    assert local_compute(consumer, 0) == len(A)
+    for mode, rnd, path in (("via_host", runs["consumer"]["rounds"][0], "peer_host_to_device"),
+                            ("direct", r0, "peer_device_to_device")):
+        moved = sample(rnd, "tiercache_transfer_bytes_total", f'path="{path}"')
+        print(f"\nP/D {mode}, swa model: {moved / hit:,.0f} bytes read per handed-off token "
+              f"(full attention everywhere: 4,096)")
+
+
+def test_negative_control_direct_window_group_zeroed_at_the_producer_changes_output(runs: dict[str, Any]) -> None:
+    (zeroed,) = runs["direct_producer"]["rounds"][1]["results"]
+    assert zeroed["blocks"] > 0 and zeroed["tagged"] == zeroed["blocks"], zeroed
+    consumer = runs["direct_consumer"]
+    assert local_compute(consumer, 1) == len(D)  # loaded: tags match, no page hashes in mode direct
+    assert tokens(consumer, 1) != baseline_tokens(runs, D)

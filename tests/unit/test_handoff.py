@@ -159,9 +159,9 @@ def handed_off(pd, rid: str) -> int:  # type: ignore[no-untyped-def]
     req = prompt_request(rid)
     blocks = allocate(pd)
     free_before = pool.get_num_free_blocks()
-    pd.mark_prefill(req, blocks)
+    pd.mark_prefill(req, (blocks,))
     pd.take_direct()
-    pd.request_finished(req, blocks)  # type: ignore[arg-type]
+    pd.request_finished(req, (blocks,))  # type: ignore[arg-type]
     vllm_frees(pd, blocks)
     return free_before
 
@@ -172,12 +172,12 @@ def test_direct_producer_marks_at_the_prefill_step_and_pins_the_blocks() -> None
     req = prompt_request("r1")
     blocks = allocate(pd)
     free_before = pool.get_num_free_blocks()
-    pd.mark_prefill(req, blocks)  # the step completing the 140-token prompt
+    pd.mark_prefill(req, (blocks,))  # the step completing the 140-token prompt
     marks, unmarks, released = pd.take_direct()
     assert list(marks) == ["r1"] and marks["r1"].blocks == (tuple(blocks[:2]), tuple(blocks[2:4]))
     assert not unmarks and not released
     assert not pd.has_pending()  # delivered: an idle producer may stop stepping
-    delay, params = pd.request_finished(req, blocks)  # type: ignore[arg-type]
+    delay, params = pd.request_finished(req, (blocks,))  # type: ignore[arg-type]
     # vLLM frees the request at once (no delayed free: the engine need not keep stepping) ...
     assert delay is False and params is not None and params["remote_block_ids"] == blocks[:4]
     vllm_frees(pd, blocks)
@@ -262,18 +262,18 @@ def test_direct_producer_without_vllms_block_pool_is_a_clear_error() -> None:
     pd = direct_producer()
     pd.pins = None
     with pytest.raises(RuntimeError, match="bind_kv_cache_manager"):
-        pd.request_finished(prompt_request("r6"), list(range(1, 6)))  # type: ignore[arg-type]
+        pd.request_finished(prompt_request("r6"), (list(range(1, 6)),))  # type: ignore[arg-type]
 
 
 def test_direct_producer_clears_marks_when_no_hand_off_follows() -> None:
     pd = direct_producer()
     stopped = prompt_request("r2", capped=False)
-    pd.mark_prefill(stopped, [1, 2, 3, 4])
+    pd.mark_prefill(stopped, ([1, 2, 3, 4],))
     pd.take_direct()
-    assert pd.request_finished(stopped, [1, 2, 3, 4])[0] is False  # type: ignore[arg-type]
+    assert pd.request_finished(stopped, ([1, 2, 3, 4],))[0] is False  # type: ignore[arg-type]
     assert pd.take_direct() == ({}, ["r2"], [])  # stopped on its own: vLLM frees, tags cleared
     preempted = prompt_request("r3")
-    pd.mark_prefill(preempted, [5, 6, 7, 8])
+    pd.mark_prefill(preempted, ([5, 6, 7, 8],))
     pd.take_direct()
     pd.preempted("r3")
     assert pd.take_direct() == ({}, ["r3"], [])
@@ -284,7 +284,7 @@ def test_direct_producer_marks_late_when_the_prefill_step_was_missed() -> None:
     pd = direct_producer("peer")
     req = prompt_request("r4")
     blocks = allocate(pd, 4)
-    delay, _ = pd.request_finished(req, blocks)  # type: ignore[arg-type]
+    delay, _ = pd.request_finished(req, (blocks,))  # type: ignore[arg-type]
     assert delay is False and pd.has_pending()  # a step must deliver the marks
     marks, _, _ = pd.take_direct()
     assert marks["r4"].blocks == (tuple(blocks[:2]), tuple(blocks[2:]))

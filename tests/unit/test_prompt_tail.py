@@ -137,7 +137,7 @@ def test_direct_producer_holds_the_tails_blocks_with_the_chunks() -> None:
     assert sched.pd is not None
     blocks = [b.block_id for b in pool.get_new_blocks(6)]
     req = request(PROMPT, rid="d", status=_length_capped())
-    _, params = sched.request_finished(req, blocks)  # type: ignore[arg-type]
+    _, params = sched.request_finished(req, (blocks,))  # type: ignore[arg-type]
     tail = prompt_tail(req, sched.keys, 64, BLOCK)
     handoff = Handoff.from_params(params or {})
     assert tail is not None and handoff is not None

@@ -189,7 +189,7 @@ class Engine:
 
     def finish(self, req: Request) -> None:
         """Scheduler._free_request: request_finished, then the blocks are freed at once."""
-        delay, _ = self.sched.request_finished(req, self.kv_mgr.get_block_ids(req.request_id)[0])
+        delay, _ = self.sched.request_finished(req, self.kv_mgr.get_block_ids(req.request_id))
         assert delay is False
         self.kv_mgr.free(req)
         self.finished.add(req.request_id)

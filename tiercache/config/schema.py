@@ -114,6 +114,11 @@ class FaultConfig(_Frozen):
         default=False,
         description="Loads succeed but zero the loaded blocks (negative controls only).",
     )
+    store_incomplete_chunks: bool = Field(
+        default=False,
+        description="Store a hybrid model's chunks even when a window group lacks blocks a later hit loads, "
+        "and load without checking (a negative control only: the stale slot positions reach vLLM).",
+    )
     corrupt_loads_group: int | None = Field(
         default=None, ge=0,
         description="Loads succeed but zero the loaded blocks of this KV-cache group only (a hybrid "

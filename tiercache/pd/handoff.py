@@ -17,7 +17,10 @@ producer holds for the consumer, in prompt order. In mode ``via_host``
 ``remote_block_ids`` names the producer's host slot holding each key; in mode
 ``direct`` it names the producer's KV blocks, ``blocks_per_chunk`` per key, as
 vLLM's NixlConnector does (the consumer READs them directly and checks their
-tags, see tiercache.pd.channel). ``tail_tokens`` > 0 says the last key is the
+tags, see tiercache.pd.channel); for a hybrid model (several KV-cache groups in
+the fingerprint's ``kv_groups``) every key, the tail's too, names
+``groups * blocks_per_chunk``, group-major, with :data:`NO_BLOCK` (-1) where the
+producer holds none (a window group's freed blocks; connector/pd/direct_blocks.py). ``tail_tokens`` > 0 says the last key is the
 prompt's partial last chunk of that many tokens (connector/prompt_tail.py): one
 slot, or the blocks it spans, ``ceil(tail_tokens / block_size)``; ``fingerprint`` is the
 producer's key namespace (model, dtype, layout, block and chunk size, TP
@@ -42,6 +45,7 @@ from tiercache.keys import Namespace
 
 PARAMS_VERSION = 5  # 5: release_token; 4: tail_tokens (a consumer of another version refuses, and recomputes)
 MODES = ("via_host", "direct")
+NO_BLOCK = -1  # mode direct, a hybrid model: a key's position the producer holds no block for
 
 
 class HandoffError(ValueError):
@@ -93,7 +97,11 @@ class Handoff:
         return self.keys[-1] if self.tail_tokens else None
 
     def blocks_of(self, blocks_per_chunk: int) -> list[tuple[int, ...]]:
-        """Mode direct: the producer's blocks of each key (the tail's: the blocks left over, fewer)."""
+        """Mode direct: the producer's blocks of each key (the tail's: the blocks left over, fewer).
+
+        A hybrid model's key names ``groups * blocks_per_chunk`` (pass that): group-major,
+        NO_BLOCK where the producer holds none (connector/pd/direct_blocks.py).
+        """
         b = self.slots
         return [tuple(b[i * blocks_per_chunk:(i + 1) * blocks_per_chunk]) for i in range(len(self.keys))]
 
@@ -144,10 +152,12 @@ class Handoff:
             if tail_tokens and not (keys and 0 < tail_tokens < chunk_tokens):
                 raise HandoffError(f"tiercache.tail_tokens: expected 1..{chunk_tokens - 1} after a key, "
                                    f"got {tail_tokens}")
-            expected = _slots_expected(mode, len(keys), tail_tokens, chunk_tokens, block_size)
-            if len(slots) != expected or any(s < 0 for s in slots):
+            groups = group_count(str(fp.get("kv_groups", "")))
+            expected = _slots_expected(mode, len(keys), tail_tokens, chunk_tokens, block_size, groups)
+            lowest = NO_BLOCK if mode == "direct" and groups > 1 else 0
+            if len(slots) != expected or any(s < lowest for s in slots):
                 raise HandoffError(f"remote_block_ids: expected {'one slot' if mode == 'via_host' else 'the blocks'}"
-                                   f" per chunk key ({len(keys)} keys, {expected} numbers >= 0), "
+                                   f" per chunk key ({len(keys)} keys, {expected} numbers >= {lowest}), "
                                    f"got {list(slots)!r:.80}")
             port = int(params["remote_port"])
             if not 0 < port < 65536:
@@ -177,13 +187,21 @@ class Handoff:
             raise HandoffError(f"malformed tiercache hand-off parameters: {type(exc).__name__}: {exc}") from exc
 
 
-def _slots_expected(mode: str, keys: int, tail_tokens: int, chunk_tokens: int, block_size: int) -> int:
+def group_count(kv_groups: str) -> int:
+    """How many KV-cache groups a namespace's ``kv_groups`` field describes ("" is one full group)."""
+    return len(kv_groups.split(",")) if kv_groups else 1
+
+
+def _slots_expected(mode: str, keys: int, tail_tokens: int, chunk_tokens: int, block_size: int,
+                    groups: int = 1) -> int:
     """How many ``remote_block_ids`` a hand-off of ``keys`` keys names (HandoffError: a bad fingerprint)."""
     if mode == "via_host":
         return keys
     if block_size <= 0 or chunk_tokens <= 0 or chunk_tokens % block_size:
         raise HandoffError(f"tiercache.fingerprint: chunk_tokens {chunk_tokens} is not a multiple of "
                            f"block_size {block_size}")
+    if groups > 1:  # every key, the tail's too, names groups * blocks_per_chunk (NO_BLOCK where none)
+        return keys * groups * (chunk_tokens // block_size)
     if not tail_tokens:
         return keys * (chunk_tokens // block_size)
     return (keys - 1) * (chunk_tokens // block_size) + -(-tail_tokens // block_size)

@@ -155,6 +155,8 @@ class ProducerEndpoint:
         for key, blocks in zip(keys, blocks_per_key):
             tag = key_tag(key)
             for block in blocks:
+                if block < 0:  # NO_BLOCK: a hybrid model's position the producer holds nothing for
+                    continue
                 self.block_tags[block] = tag
                 held.append(block)
         self._held_blocks[request_id] = held

@@ -37,6 +37,7 @@ import numpy as np
 from tiercache.layout import region_offsets
 from tiercache.pd.blocks import BlockRegions, paired_descs, plane_descs, slot_descs
 from tiercache.pd.channel import ChannelError
+from tiercache.pd.handoff import NO_BLOCK
 from tiercache.pd.heads import HeadRun, PageHeads, check_pages, head_descs
 from tiercache.pd.link import PeerLink
 from tiercache.transfer.device import CopySegment
@@ -105,6 +106,9 @@ def _source_blocks(link: PeerLink, theirs: BlockRegions, segments: Sequence[Copy
         src_blocks = list(chunk.blocks[seg.first_block:seg.first_block + len(seg.block_ids)])
         if len(src_blocks) != len(seg.block_ids):
             raise ChannelError(f"producer {link.address}: hand-off names too few blocks for a chunk")
+        if NO_BLOCK in src_blocks:  # a hybrid model: a window block the producer had freed
+            raise ChannelError(f"producer {link.address}: the hand-off holds no block for a position "
+                               f"{seg.first_block}..{seg.first_block + len(seg.block_ids) - 1} we need")
         sources.append(src_blocks)
     try:
         theirs.check_blocks([b for blocks in sources for b in blocks])
