@@ -396,4 +396,3 @@ class TierCacheScheduler(SchedulerFaults):
         if self._shared is not None:
             self._shared.close()
         self.manager.shutdown()
-
