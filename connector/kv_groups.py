@@ -196,5 +196,11 @@ def load_segments(group_block_ids: Sequence[Sequence[int]], groups: Sequence[KVG
     they are every block vLLM allocated there (False: the store left one out; the load must fail)."""
     floors = kept_from(groups, chunk, (chunk + 1) * bpc * block_size, bpc, block_size)
     kept = chunk_segments(-1, group_block_ids, chunk, lo, hi, bpc, null_block, floors)
-    allocated = chunk_segments(-1, group_block_ids, chunk, lo, hi, bpc, null_block)
-    return kept, sum(len(s.block_ids) for s in kept) == sum(len(s.block_ids) for s in allocated)
+    left_out = any(b != null_block for ids, floor in zip(group_block_ids, floors) for b in ids[lo:min(floor, hi)])
+    return kept, not left_out
+
+
+def null_block_id(kv_cache_manager: Any) -> int:
+    """vLLM's null block id (what a window group's table holds where its blocks were freed); 0 without a pool."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    return int(pool.null_block.block_id) if pool is not None else 0

@@ -24,7 +24,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.engine_info import ChunkGeometry
-from tiercache.connector.kv_groups import chunk_segments, load_segments, storable
+from tiercache.connector.kv_groups import chunk_segments, load_segments, null_block_id, storable
 from tiercache.connector.lower_tiers import ask_shared_tiers, lower_tier_specs, make_backends, recover_lower_tiers
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd.roles import GroupBlockIds, SchedulerPD, pd_settings
@@ -107,8 +107,7 @@ class TierCacheScheduler(SchedulerFaults):
     # ------------------------------------------------------------ plumbing
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
-        pool = getattr(kv_cache_manager, "block_pool", None)
-        self._null_block = int(pool.null_block.block_id) if pool is not None else 0
+        self._null_block = null_block_id(kv_cache_manager)
         self.pd.bind(kv_cache_manager)
         self.store_pins.bind_manager(kv_cache_manager)
 

@@ -50,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.block_pins import BlockPins, VllmBlockPins
+from tiercache.connector.kv_groups import null_block_id
 from tiercache.connector.pd.consumer import PeerOffers
 from tiercache.connector.pd.direct_blocks import NO_BLOCK, key_blocks
 from tiercache.connector.pd.holds import Hold, Pinned, take_reported
@@ -136,8 +137,7 @@ class PDScheduler(SchedulerPD):
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
-        pool = getattr(kv_cache_manager, "block_pool", None)
-        self._null_block = int(pool.null_block.block_id) if pool is not None else 0  # a window group's freed blocks
+        self._null_block = null_block_id(kv_cache_manager)  # a window group's freed blocks
         if self.marks_prefills:
             self.bind_pins(VllmBlockPins.of(kv_cache_manager))  # mode direct pins hand-off blocks
 

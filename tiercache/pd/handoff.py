@@ -23,8 +23,8 @@ the fingerprint's ``kv_groups``) every key, the tail's too, names
 producer holds none (a window group's freed blocks; connector/pd/direct_blocks.py).
 ``tail_tokens`` > 0 says the last key is the prompt's partial last chunk of that
 many tokens (connector/prompt_tail.py): one slot, or the blocks it spans,
-``ceil(tail_tokens / block_size)``; ``fingerprint`` is the producer's key namespace (model, dtype, layout, block and chunk size, TP
-size, ...); ``release_token`` is what the consumer's read notice must echo for
+``ceil(tail_tokens / block_size)``; ``fingerprint`` is the producer's key
+namespace (model, dtype, layout, block and chunk size, TP size, ...); ``release_token`` is what the consumer's read notice must echo for
 the producer to release the hand-off (:func:`tiercache.pd.auth.release_token`:
 a forged or replayed-for-another-request notice leaves it held). The consumer
 trusts none of these: it reads only from producers its own config trusts

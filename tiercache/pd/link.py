@@ -7,8 +7,8 @@ answer names (host slab and its tags, a planes slab's planes, mode direct's KV
 blocks and their tags, the pages by KV head) and loads the producer's NIXL
 agent into ours, once a throwaway process loaded it and survived
 (:mod:`tiercache.nixl_vetting`: malformed metadata can abort the process that
-loads it; such a producer is refused like an incompatible one). Its socket stays open for the one-way read notices
-(:meth:`PeerLink.notify_read`).
+loads it; such a producer is refused like an incompatible one). Its socket
+stays open for the one-way read notices (:meth:`PeerLink.notify_read`).
 
 :class:`PeerLinks` holds a consumer's links by producer address: a handshake
 is retried in short attempts until the read timeout (a producer answers
