@@ -127,7 +127,11 @@ def _layer_tensors(
 
 
 def build_state_dict(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """All HF-Llama tensors for ``config``, drawn deterministically from ``seed``."""
+    """All HF tensors for ``config`` (Llama, or LFM2 by its model_type), drawn from ``seed``."""
+    if config.get("model_type") == "lfm2":
+        from tiercache.testing.random_lfm2 import build_lfm2_state_dict
+
+        return build_lfm2_state_dict(config, seed)
     gen = torch.Generator().manual_seed(seed)
     scales = weight_scales(config)
     d = int(config["hidden_size"])
@@ -201,7 +205,7 @@ def make_model_dir(name: str, out_root: pathlib.Path, seed: int = 1234) -> pathl
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: build one model directory and print its path."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", help="model name under the shared models dir (tiny, heavy)")
+    parser.add_argument("name", help="model name under the shared models dir or packaged (tiny, heavy, swa, lfm2)")
     parser.add_argument("out_root", type=pathlib.Path, help="where <name>/ is created")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
