@@ -30,6 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.config.schema import config_from_extra
+from tiercache.tiers.registry import check_tier_backends
+from tiercache.connector.vllm_version import check_vllm_version
 from tiercache.metrics import TierCacheMetrics
 
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry, parallel_rank
@@ -72,6 +74,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: "KVCacheConfig | None" = None,
     ) -> None:
+        check_vllm_version()  # before anything is allocated: connector/vllm_version.py
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         if transfer.kv_role not in SUPPORTED_ROLES:
@@ -79,6 +82,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_role: TierCacheConnector supports {SUPPORTED_ROLES}, got {transfer.kv_role!r}"
             )
         self.config = config_from_extra(transfer.kv_connector_extra_config)
+        check_tier_backends(self.config.tiers)  # the same check as `tiercache config check`
         adopt_vllm_logging(self.config.log_level)
         assert kv_cache_config is not None, "vLLM must pass kv_cache_config to connectors"
         self._scheduler: TierCacheScheduler | None = None

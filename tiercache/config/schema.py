@@ -3,12 +3,19 @@
 Sources, highest precedence first:
 
 1. inline overrides (the keys of vLLM's ``kv_connector_extra_config`` other
-   than ``config_file``, or keyword arguments to :func:`load_config`);
+   than ``config_file`` and ``preset``, or keyword arguments to
+   :func:`load_config`; dotted keys such as ``metrics.port`` set one key of a
+   section);
 2. ``TIERCACHE_*`` environment variables (nested keys with ``__``, e.g.
    ``TIERCACHE_CHUNK_TOKENS=512``, ``TIERCACHE_METRICS__PORT=9400``; lists such
    as ``TIERCACHE_TIERS`` are JSON);
-3. the YAML file named by ``config_file``;
+3. the YAML file named by ``config_file``, or the packaged preset named by
+   ``preset`` (``TIERCACHE_PRESET``; tiercache/config/presets.py);
 4. the defaults below.
+
+The one-key sizes ``cpu_size``, ``disk_size``, ``disk_path``
+(tiercache/config/shorthands.py) are applied last, to the tier list the
+sources above produced.
 
 Every model forbids unknown keys, so a typo is an error that names the key.
 Sizes accept ints or strings like ``"16GiB"``. Engine-dependent checks (the
@@ -18,6 +25,7 @@ chunk size must be a multiple of the engine block size) are made by
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,6 +34,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import SettingsConfigDict
 
 from tiercache.config.pd import PDConfig as PDConfig  # re-exported: its home before it grew
+from tiercache.config.presets import resolve_config_file
+from tiercache.config.shorthands import expand_dotted, expand_sizes
 from tiercache.config.sizes import parse_size
 
 # ConfigError is defined in yaml_config (shared with the server's config); callers import it here.
@@ -157,6 +167,9 @@ class MetricsConfig(_Frozen):
     host: str = Field(default="127.0.0.1", description="Bind address of the /metrics server.")
 
 
+DEFAULT_TIERS = (TierConfig(name="cpu", backend="cpu", capacity=4 << 30),)
+
+
 class TierCacheConfig(YamlBackedSettings):
     """The whole tiercache configuration (frozen once built)."""
 
@@ -171,9 +184,20 @@ class TierCacheConfig(YamlBackedSettings):
         default=256, gt=0, description="Tokens per chunk; a multiple of the engine block size."
     )
     tiers: tuple[TierConfig, ...] = Field(
-        default=(TierConfig(name="cpu", backend="cpu", capacity=4 << 30),),
+        default=DEFAULT_TIERS,
         min_length=1,
         description="Tier chain, fastest first. The first must be the host (cpu) tier.",
+    )
+    cpu_size: ByteSize | None = Field(
+        default=None, description="Shorthand: the host tier's capacity (wins over tiers[0].capacity)."
+    )
+    disk_size: ByteSize | None = Field(
+        default=None,
+        description="Shorthand: the disk tier's capacity; adds a disk tier (at disk_path, default "
+        "/var/tmp/tiercache/disk) when the tier list has none.",
+    )
+    disk_path: str | None = Field(
+        default=None, description="Shorthand: the disk tier's root directory (with disk_size to add one)."
     )
     offload_decode_tokens: bool = Field(
         default=True, description="Also store chunks filled by generated tokens (multi-turn hits)."
@@ -220,6 +244,13 @@ class TierCacheConfig(YamlBackedSettings):
         "defaults when absent; a kv_both engine does P/D only when this section is present.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_sizes(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return expand_sizes(data, [t.model_dump() for t in DEFAULT_TIERS])
+
     @model_validator(mode="after")
     def _check_tiers(self) -> TierCacheConfig:
         names = [t.name for t in self.tiers]
@@ -252,16 +283,23 @@ class TierCacheConfig(YamlBackedSettings):
         return HostTierOptions(**self.host_tier.options)
 
 
-def load_config(config_file: str | Path | None = None, **overrides: Any) -> TierCacheConfig:
-    """Build the config from a YAML file, TIERCACHE_* env vars and inline overrides.
+def load_config(
+    config_file: str | Path | None = None, *, preset: str | None = None, **overrides: Any
+) -> TierCacheConfig:
+    """Build the config from a YAML file or packaged preset, TIERCACHE_* env vars and inline overrides.
 
+    Without ``config_file`` and ``preset``, ``TIERCACHE_PRESET`` names the preset.
     Raises ConfigError naming every offending key (and the allowed values).
     """
-    return load_settings(TierCacheConfig, config_file, overrides, title="invalid tiercache config")
+    if config_file is None and preset is None:
+        preset = os.environ.get("TIERCACHE_PRESET") or None
+    source = resolve_config_file(config_file, preset)
+    return load_settings(TierCacheConfig, source, expand_dotted(overrides), title="invalid tiercache config")
 
 
 def config_from_extra(extra: dict[str, Any] | None) -> TierCacheConfig:
     """Build the config from vLLM's ``kv_connector_extra_config`` dict."""
     extra = dict(extra or {})
     config_file = extra.pop("config_file", None)
-    return load_config(config_file, **extra)
+    preset = extra.pop("preset", None)
+    return load_config(config_file, preset=preset, **extra)

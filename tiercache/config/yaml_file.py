@@ -18,13 +18,14 @@ problems the same way:
 from __future__ import annotations
 
 import contextvars
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsError
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
@@ -122,6 +123,15 @@ def describe_validation_error(
     return "\n".join(lines)
 
 
+def _settings_error_message(model: type[BaseSettings], exc: SettingsError, title: str) -> str:
+    """The environment variable behind a pydantic-settings parse error, named with what it expects."""
+    found = re.search(r'field "(\w+)"', str(exc))
+    prefix = str(model.model_config.get("env_prefix") or "")
+    where = f"{prefix}{found.group(1)}".upper() if found else "an environment variable"
+    cause = f": {exc.__cause__}" if exc.__cause__ else ""
+    return f"{title}: {where} is not valid JSON{cause} (lists and sections are given as JSON)"
+
+
 def load_settings(
     model: type[SettingsT],
     config_file: str | Path | None,
@@ -146,5 +156,7 @@ def load_settings(
     except ValidationError as exc:
         message = describe_validation_error(exc, title, path, show_input=show_input)
         raise ConfigError(message) from None
+    except SettingsError as exc:  # an environment variable that does not parse (a list that is not JSON)
+        raise ConfigError(_settings_error_message(model, exc, title)) from None
     finally:
         _current_file.reset(token)

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from tiercache.testing.random_llama import LOGIT_STD, SCORE_STD, weight_scales
+from tiercache.testing.weight_recipe import LOGIT_STD, SCORE_STD, weight_scales
 
 
 def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -37,13 +36,15 @@ from collections.abc import Callable
 
 import torch
 
-SCORE_STD = 3.0
-ATTN_OUT_STD = 2.0
-# Attention averages several values even when sharp (the top key gets ~0.3-0.6 of
-# the weight at score std 3), which shrinks the output; this gain makes up for it
-# (measured attention-output std on the tiny model: ~1.5-1.9 with it, ~1.0-1.5 without).
-ATTN_MIX_GAIN = 1.5
-LOGIT_STD = 3.0
+from tiercache.testing.random_lfm2 import build_lfm2_state_dict
+from tiercache.testing.weight_recipe import (
+    ATTN_MIX_GAIN,
+    ATTN_OUT_STD,
+    LOGIT_STD,
+    SCORE_STD,
+    weight_scales,
+)
+
 # Bump when the generation recipe changes so stale checkpoints are rebuilt.
 RECIPE_VERSION = 3
 STAMP_NAME = "tiercache_weights.stamp.json"
@@ -70,34 +71,6 @@ def config_path(name: str) -> pathlib.Path:
     if packaged.is_file():
         return packaged
     raise FileNotFoundError(f"no model config named {name!r} (looked in {shared} and {packaged})")
-
-
-def weight_scales(config: dict) -> dict[str, float]:
-    """Per-matrix init std devs (entries ~ N(0, s^2)) derived from the config.
-
-    Inputs to every projection are RMS-normalised (rms 1 per element), so a
-    matrix with fan-in ``n`` and entry std ``s`` gives outputs of std ``sqrt(n)*s``.
-    """
-    d = int(config["hidden_size"])
-    inter = int(config["intermediate_size"])
-    # q and k elements have std sqrt(d)*s, and score = q.k / sqrt(head_dim) has std
-    # d * s_q * s_k; split SCORE_STD evenly between q and k.
-    qk = math.sqrt(SCORE_STD / d)
-    # v elements get std 1; o (fan-in d) then gives an attention output of std
-    # ATTN_OUT_STD for one-hot attention, ATTN_MIX_GAIN compensates for averaging.
-    v = 1.0 / math.sqrt(d)
-    o = ATTN_OUT_STD * ATTN_MIX_GAIN / math.sqrt(d)
-    return {
-        "q": qk,
-        "k": qk,
-        "v": v,
-        "o": o,
-        "gate": 1.0 / math.sqrt(d),
-        "up": 1.0 / math.sqrt(d),
-        "down": 1.0 / math.sqrt(inter),
-        "lm_head": LOGIT_STD / math.sqrt(d),
-        "embed": 1.0,
-    }
 
 
 def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
@@ -129,8 +102,6 @@ def _layer_tensors(
 def build_state_dict(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """All HF tensors for ``config`` (Llama, or LFM2 by its model_type), drawn from ``seed``."""
     if config.get("model_type") == "lfm2":
-        from tiercache.testing.random_lfm2 import build_lfm2_state_dict
-
         return build_lfm2_state_dict(config, seed)
     gen = torch.Generator().manual_seed(seed)
     scales = weight_scales(config)

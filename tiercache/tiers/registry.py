@@ -20,7 +20,9 @@ refuses ``cpu`` for any other tier.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from importlib import metadata
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -28,6 +30,8 @@ from tiercache.backend import Backend, BackendContext
 from tiercache.config.schema import ConfigError, TierConfig
 
 ENTRY_POINT_GROUP = "tiercache.backends"
+#: Optional packages of built-in backends -> the extra that installs them (pyproject.toml).
+EXTRA_OF_MODULE: dict[str, str] = {"redis": "redis", "hiredis": "redis", "lmdb": "lmdb", "nixl": "nixl"}
 BUILTIN_BACKENDS: dict[str, str] = {
     "disk": "tiercache.backends.disk.backend:DiskBackend",
     "lmdb": "tiercache.backends.lmdb.backend:LMDBBackend",
@@ -55,6 +59,13 @@ def backend_class(name: str) -> type[Backend]:
     module_name, _, attr = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing in EXTRA_OF_MODULE:
+            raise ConfigError(
+                f"backend {name!r} needs the Python package {missing!r}, which is not installed: "
+                f"pip install 'tiercache[{EXTRA_OF_MODULE[missing]}]'") from exc
+        raise ConfigError(f"backend {name!r}: cannot load {target}: {exc}") from exc
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"backend {name!r}: cannot load {target}: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
@@ -62,8 +73,12 @@ def backend_class(name: str) -> type[Backend]:
     return cls
 
 
-def create_backend(tier: TierConfig, context: BackendContext, index: int | None = None) -> Backend:
-    """Validate the tier's options with the backend's settings model and construct it."""
+def backend_settings(tier: TierConfig, index: int | None = None) -> tuple[type[Backend], Any]:
+    """The tier's backend class and its options validated by the backend's settings model.
+
+    What engine start-up does before constructing a backend, and all that
+    ``tiercache config check`` does: ConfigError naming the tier and key.
+    """
     cls = backend_class(tier.backend)
     where = f"tiers.{index}.options" if index is not None else f"tier {tier.name} options"
     try:
@@ -75,4 +90,19 @@ def create_backend(tier: TierConfig, context: BackendContext, index: int | None 
             for e in exc.errors()
         )
         raise ConfigError(problems) from None
+    return cls, settings
+
+
+def check_tier_backends(tiers: Sequence[TierConfig]) -> None:
+    """Validate every lower tier's backend and options as start-up will (ConfigError on the first bad one)."""
+    for index, tier in enumerate(tiers[1:], start=1):
+        try:
+            backend_settings(tier, index)
+        except ConfigError as exc:
+            raise ConfigError(f"tiers.{index} ({tier.name}): {exc}") from None
+
+
+def create_backend(tier: TierConfig, context: BackendContext, index: int | None = None) -> Backend:
+    """Validate the tier's options with the backend's settings model and construct it."""
+    cls, settings = backend_settings(tier, index)
     return cls(settings, context)  # type: ignore[call-arg]
