@@ -145,3 +145,18 @@ def test_serve_refuses_to_start_open_on_a_public_address(tmp_path: pathlib.Path)
                          capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert out.returncode == 1 and "INVALID" in out.stderr
     assert "host: 0.0.0.0 is not a loopback address and auth is 'none'" in out.stderr
+
+
+def test_one_token_variable_for_server_engines_and_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TIERCACHE_SERVER_TOKEN (the engines' and the CLI's name) is also the server's auth_token,
+    unless the server's tokens are named otherwise (tenants, auth_token) or auth is none."""
+    monkeypatch.setenv("TIERCACHE_SERVER_TOKEN", SECRET)
+    assert load_server_config(None).tenant_list()[0].token.get_secret_value() == SECRET
+    assert ServerSettings(address="127.0.0.1:7470").token.get_secret_value() == SECRET  # the engine's side
+    other = "another-long-tenant-token-value"
+    with_tenants = load_server_config(None, tenants=[{"name": "a", "token": other}])
+    assert [t.token.get_secret_value() for t in with_tenants.tenant_list()] == [other]
+    assert load_server_config(None, auth="none").tenant_list() == ()
+    assert load_server_config(None, auth_token=other).tenant_list()[0].token.get_secret_value() == other
+    monkeypatch.delenv("TIERCACHE_SERVER_TOKEN")
+    refused()  # control: without it the default config has no token

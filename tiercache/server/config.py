@@ -21,6 +21,7 @@ section in :mod:`tiercache.server.tls`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -34,6 +35,8 @@ from tiercache.server.slab import HEADER_ALLOWANCE
 from tiercache.server.tls import ServerTlsConfig
 
 DEFAULT_PORT = 7470
+#: The one name of the server token on a node: engines (the server tier), the CLI and the server.
+SHARED_TOKEN_ENV = "TIERCACHE_SERVER_TOKEN"
 
 
 def _on_off(value: Any) -> Any:
@@ -156,6 +159,21 @@ class ServerConfig(YamlBackedSettings):
         default=(TierConfig(name="cpu", backend="cpu", capacity=1 << 30),), min_length=1
     )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_from_the_shared_variable(cls, data: Any) -> Any:
+        """``TIERCACHE_SERVER_TOKEN``, the engines' name for the token, also serves as ``auth_token``.
+
+        Only where nothing else names the tokens (no ``auth_token``, no ``tenants``) and auth is
+        ``token``: a node whose shell exports the variable for its engines can still run a server
+        with tenants, or one with auth: none.
+        """
+        token = os.environ.get(SHARED_TOKEN_ENV)
+        if (not isinstance(data, dict) or token is None or data.get("auth_token") is not None
+                or data.get("tenants") or data.get("auth", "token") != "token"):
+            return data
+        return {**data, "auth_token": token}
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:

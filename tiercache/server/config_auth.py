@@ -88,7 +88,7 @@ def check_auth(auth: str, host: str, auth_token: SecretStr | None, tenants: Sequ
     if auth_token is None and not tenants:
         raise ValueError(
             "auth_token: auth is 'token' (the default) but no token is configured: set auth_token "
-            "(or TIERCACHE_SERVER_AUTH_TOKEN) or list tenants; auth: none is allowed on a loopback host only"
+            "(or TIERCACHE_SERVER_TOKEN) or list tenants; auth: none is allowed on a loopback host only"
         )
     _check_unique(tenants)
     if max_key_bytes < SPACE_BYTES + MIN_TENANT_KEY_BYTES:
