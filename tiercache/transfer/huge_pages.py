@@ -2,7 +2,7 @@
 
 On one host a NIXL READ (UCX over CMA, ``process_vm_readv``) copies on the
 reader's CPU and first pins every source page, one ``struct page`` per 4 KiB.
-Measured on this project's 2-vCPU VM (docs/PERFORMANCE.md, session 6): a
+Measured on this project's 2-vCPU VM (docs/performance/history.md, P/D session 6): a
 31.5 MiB READ takes 3.3-3.5 ms from 4 KiB pages and 1.3-1.8 ms from 2 MiB
 pages. NumPy asks for huge pages on its own for arrays of 4 MiB and more, so a
 "raw NIXL" benchmark between two NumPy buffers reads huge pages, while vLLM's
