@@ -8,7 +8,7 @@ half through one role object (``pd/roles.py``). The rest translates vLLM's
 view into tiercache's: ``engine_info.py`` (with ``kv_groups.py``: a hybrid
 model's KV-cache groups), ``model_identity.py``,
 ``namespace_check.py``, ``lower_tiers.py``, ``prompt_tail.py``,
-``block_pins.py``, ``store_pins.py``, ``events.py``, ``stats.py``, ``logs.py``,
+``block_pins.py``, ``store_pins.py``, ``events.py`` (with ``event_blocks.py``), ``stats.py``, ``logs.py``,
 ``guard.py``; ``inactive.py`` holds the null halves for a model tiercache
 declines (vLLM serves it alone).
 May import anything of tiercache, and vLLM.

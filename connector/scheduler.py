@@ -132,6 +132,7 @@ class TierCacheScheduler(SchedulerFaults):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        self._state(request).lookup_tokens = request.num_tokens - num_computed_tokens  # counted once allocated
         keys = self.keys.chunk_keys(request.block_hashes)
         if not keys:
             return 0, False
@@ -168,6 +169,8 @@ class TierCacheScheduler(SchedulerFaults):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         st = self._state(request)
+        self.metrics.label(self.metrics.lookup_tokens).inc(st.lookup_tokens)  # the hit rate's denominator
+        st.lookup_tokens = 0
         if num_external_tokens <= 0:
             return
         if st.lookup_local_tokens is None:

@@ -21,6 +21,7 @@ class RequestState:
     next_store_chunk: int = 0  # chunks below this were offered to the manager already
     lookup_local_tokens: int | None = None  # vLLM's own hit, from get_num_new_matched_tokens
     lookup_hit_tokens: int = 0
+    lookup_tokens: int = 0  # asked of tiercache at the last lookup (beyond vLLM's own hit), until allocated
     shared_asked: bool = False  # the shared tiers answered for this request already
     tail_stored: bool = False  # P/D producer, via_host: the prompt's tail was offered to the host tier
 

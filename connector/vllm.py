@@ -33,10 +33,11 @@ from tiercache.config.schema import config_from_extra
 from tiercache.tiers.registry import check_tier_backends
 from tiercache.connector.vllm_version import check_vllm_version
 from tiercache.metrics import TierCacheMetrics
+from tiercache.connector.prom_metrics import TierCachePromMetrics, engine_labels
 
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry, parallel_rank
 from tiercache.connector import guard
-from tiercache.connector.events import to_vllm_events
+from tiercache.connector.events import KVEvents
 from tiercache.connector.guard import contained
 from tiercache.connector.inactive import InactiveScheduler, InactiveWorker
 from tiercache.connector.kv_groups import UnsupportedKVGroups
@@ -67,6 +68,8 @@ SUPPORTED_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
+    _kv_events = KVEvents.off()  # records nothing; the scheduler's own is set in __init__ (connector/events.py)
+    _metrics: TierCacheMetrics | None = None  # the scheduler's (tiercache/metrics.py)
 
     def __init__(
         self,
@@ -104,7 +107,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # A failed load must become a recompute, not a failed request (docs/architecture.md, Faults);
             # vLLM reads this right after constructing the scheduler-side connector.
             transfer.kv_load_failure_policy = self.config.load_failure_policy
-            metrics = TierCacheMetrics(engine_label=str(transfer.engine_id or "0"))
+            # on vLLM's /metrics through get_kv_connector_stats (connector/prom_metrics.py)
+            metrics = self._metrics = TierCacheMetrics(**engine_labels(vllm_config, self.config))
             if self.config.metrics.port is not None:
                 metrics.serve(self.config.metrics.port, self.config.metrics.host)
             # Built once every worker's identity is in (vLLM's start-up handshake), so that the
@@ -115,6 +119,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 lambda config, geo: TierCacheScheduler(config, geo, metrics, kv_role=transfer.kv_role,
                                                        engine_id=str(transfer.engine_id or "0")),
             )
+            self._kv_events = KVEvents.for_engine(vllm_config, self.config, engine.block_size,
+                                                  geometry.blocks_per_chunk)
             logger.info(
                 "tiercache: %d-token chunks (%d B), host tier %d chunks",
                 geometry.chunk_tokens,
@@ -235,17 +241,21 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        self._kv_events.saw(request)
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
 
     @contained(fallback=guard.fail_alloc)
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:
+        self._kv_events.saw(request)
         self._s().update_state_after_alloc(request, blocks, num_external_tokens)
 
     @contained(TierCacheConnectorMetadata, fallback=guard.fallback_meta)
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._s().build_connector_meta(scheduler_output)
+        meta = self._s().build_connector_meta(scheduler_output)
+        self._kv_events.planned(meta)  # what the planned chunks are, for their KV events
+        return meta
 
     @contained()
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
@@ -258,12 +268,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._kv_events.finished(request.request_id)
         return self._s().request_finished(request, (block_ids,))
 
     @contained(guard.NOT_DELAYED)
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._kv_events.finished(request.request_id)
         return self._s().request_finished(request, block_ids)
 
     @contained(False)
@@ -276,19 +288,31 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @contained(list)
     def take_events(self) -> Iterable["KVCacheEvent"]:
-        scheduler = self._s()
-        return to_vllm_events(scheduler.take_events(), scheduler.block_size * scheduler.bpc)
+        return self._kv_events.translate(self._s().take_events())  # drained even with events off
 
     @contained()
     def get_kv_connector_stats(self) -> "KVConnectorStats | None":
         if self._scheduler is None:
             return None
         counters = self._scheduler.take_counters()
-        return TierCacheStats.from_counters(counters) if counters else None
+        prom = self._metrics.take_payload() if self._metrics is not None else None
+        stats = TierCacheStats.from_counters(counters, prom)
+        return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats | None":
         return TierCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TierCachePromMetrics:
+        # tiercache's series on vLLM's own /metrics, labelled like vLLM's (connector/prom_metrics.py)
+        return TierCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @contained(False)
     def reset_cache(self) -> bool | None:

@@ -9,7 +9,7 @@
 # Environment:
 #   TIERCACHE_VENV   where the virtualenv lives (default: ~/.cache/tiercache-venv)
 #   TIERCACHE_NO_VLLM=1  skip vLLM (library + unit tests only)
-#   TIERCACHE_NO_APT=1   skip apt-get (redis-server)
+#   TIERCACHE_NO_APT=1   skip apt-get (redis-server, prometheus)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${TIERCACHE_VENV:-$HOME/.cache/tiercache-venv}"
@@ -41,9 +41,10 @@ else
   echo "[setup] environment at $venv is current"
 fi
 
-if [ "${TIERCACHE_NO_APT:-0}" != "1" ] && ! command -v redis-server >/dev/null 2>&1; then
-  echo "[setup] installing redis-server (Debian package)"
+# redis-server: the Redis tier's tests; prometheus: the live scrape test (tests/e2e/test_prometheus_scrape.py)
+if [ "${TIERCACHE_NO_APT:-0}" != "1" ] && ! { command -v redis-server && command -v prometheus; } >/dev/null 2>&1; then
+  echo "[setup] installing redis-server and prometheus (Debian packages)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server prometheus >/dev/null
 fi
 echo "[setup] done: $venv/bin/python"

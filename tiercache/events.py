@@ -3,8 +3,9 @@
 The manager's parts add an event to one shared :class:`EventLog` whenever chunks
 become ready in a tier or leave it; the connector drains it (``manager.events.take()``)
 and translates the events into the engine's own event types (vLLM's BlockStored /
-BlockRemoved). Events carry the engine's prefix hashes, not our namespaced keys, so
-a router can match them to the engine's own block hashes.
+BlockRemoved, block by block: connector/events.py adds what each chunk's blocks are,
+recorded from its request). The keys hold the engine's prefix hashes; the connector
+publishes the engine's own block hashes, so a router matches them to vLLM's events.
 Scheduler thread only (like the manager): nothing here locks.
 """
 

@@ -1,9 +1,17 @@
-"""Prometheus collectors for tiercache, in a registry of their own.
+"""The scheduler's metric recorder: every change goes to vLLM's /metrics, and to an optional port.
 
 One :class:`TierCacheMetrics` per engine, living in the scheduler process (the
 manager is there, and workers report bytes and seconds back with their job
-results). ``serve(port)`` exposes them on ``/metrics``; the same numbers are
-also returned as plain counters through the connector's stats.
+results). Each ``inc`` / ``set`` / ``observe`` is
+
+* kept as a change for :meth:`take_payload` (tiercache/metrics_payload.py),
+  which the connector hands to vLLM each step (``get_kv_connector_stats``);
+  vLLM's metrics process puts it on its own ``/metrics`` with its labels
+  (connector/prom_metrics.py): the default, and what works with several engines;
+* applied to a registry of its own, which :meth:`serve` exposes on
+  ``metrics.port`` when that is set (one engine per port).
+
+The metrics themselves are listed in tiercache/metric_defs.py.
 """
 
 from __future__ import annotations
@@ -12,92 +20,119 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from tiercache.metric_defs import (
+    BASE_LABELS,
+    BY_NAME,
+    ENGINE_METRICS,
+    SECONDS_BUCKETS,
+    MetricDef,
+    instance_name,
+)
+from tiercache.metrics_payload import MAX_OBSERVATIONS, Payload, empty, series_key
+
 logger = logging.getLogger(__name__)
 
-_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_D = {d.attr: d for d in ENGINE_METRICS}
+
+
+def make_family(d: MetricDef, labelnames: list[str], registry: CollectorRegistry | None = None,
+                classes: dict[str, type] | None = None) -> Counter | Gauge | Histogram:
+    """The prometheus_client family for ``d`` (``classes``: vLLM's metric types, by kind)."""
+    cls = (classes or {"counter": Counter, "gauge": Gauge, "histogram": Histogram})[d.kind]
+    extra: dict[str, object] = {"registry": registry} if registry is not None else {}
+    if d.kind == "histogram":
+        extra["buckets"] = list(SECONDS_BUCKETS)
+    if d.kind == "gauge":
+        extra["multiprocess_mode"] = "mostrecent"  # vLLM's API servers may share a multiprocess dir
+    return cls(name=d.name, documentation=d.doc, labelnames=labelnames, **extra)
+
+
+class _Series:
+    """One labelled series: what the call sites ``inc``, ``set`` or ``observe``."""
+
+    __slots__ = ("_child", "_def", "_key", "_owner")
+
+    def __init__(self, owner: TierCacheMetrics, d: MetricDef, values: tuple[str, ...]) -> None:
+        self._owner, self._def = owner, d
+        self._key = series_key(d.name, values)
+        self._child = owner.families[d.name].labels(*owner.base, *values)
+
+    def inc(self, amount: float = 1.0) -> None:
+        if self._def.kind == "gauge":
+            self.set(self._owner.gauge_values.get(self._key, 0.0) + amount)
+            return
+        self._child.inc(amount)
+        if amount:
+            counters = self._owner.pending["counters"]
+            counters[self._key] = counters.get(self._key, 0) + amount
+
+    def set(self, value: float) -> None:
+        self._child.set(value)
+        if self._owner.gauge_values.get(self._key) != value:
+            self._owner.gauge_values[self._key] = value
+            self._owner.pending["gauges"][self._key] = value
+
+    def observe(self, value: float) -> None:
+        self._child.observe(value)
+        seen = self._owner.pending["observations"].setdefault(self._key, [])
+        if len(seen) < MAX_OBSERVATIONS:
+            seen.append(value)
 
 
 class TierCacheMetrics:
-    def __init__(self, engine_label: str = "0") -> None:
+    """An engine's tiercache metrics; ``engine`` and ``model_name`` as vLLM labels its own."""
+
+    lookup_tokens = _D["lookup_tokens"]
+    hit_tokens = _D["hit_tokens"]
+    transfer_bytes = _D["transfer_bytes"]
+    transfer_seconds = _D["transfer_seconds"]
+    evictions = _D["evictions"]
+    failures = _D["failures"]
+    used_bytes = _D["used_bytes"]
+    capacity_bytes = _D["capacity_bytes"]
+    pd_handoffs = _D["pd_handoffs"]
+    pd_held_chunks = _D["pd_held_chunks"]
+    host_pinned_bytes = _D["host_pinned_bytes"]
+    faults = _D["faults"]
+
+    def __init__(self, engine: str = "0", model_name: str = "", instance: str | None = None) -> None:
         self.registry = CollectorRegistry()
-        labels = ["engine"]
-        self._engine = engine_label
-        self.lookup_tokens = Counter(
-            "tiercache_lookup_tokens", "Prompt tokens looked up in tiercache.", labels, registry=self.registry
-        )
-        self.hit_tokens = Counter(
-            "tiercache_hit_tokens", "Tokens served from a tier.", labels + ["tier"], registry=self.registry
-        )
-        self.transfer_bytes = Counter(
-            "tiercache_transfer_bytes", "Bytes moved, by path.", labels + ["path"], registry=self.registry
-        )
-        self.transfer_seconds = Histogram(
-            "tiercache_transfer_seconds",
-            "Seconds per transfer job, by path (peer_host_to_device / peer_device_to_device: a P/D "
-            "consumer's NIXL READs alone, descriptors to tags checked, from a producer's host slots / KV "
-            "blocks; peer_data_read: their data READs alone).",
-            labels + ["path"],
-            buckets=_SECONDS_BUCKETS,
-            registry=self.registry,
-        )
-        self.evictions = Counter(
-            "tiercache_evicted_chunks", "Chunks evicted, by tier.", labels + ["tier"], registry=self.registry
-        )
-        self.failures = Counter(
-            "tiercache_failed_chunks",
-            "Chunks whose load or store failed (loads are recomputed).",
-            labels + ["op"],
-            registry=self.registry,
-        )
-        self.used_bytes = Gauge(
-            "tiercache_tier_used_bytes", "Bytes held by a tier.", labels + ["tier"], registry=self.registry
-        )
-        self.capacity_bytes = Gauge(
-            "tiercache_tier_capacity_bytes", "Byte budget of a tier.", labels + ["tier"], registry=self.registry
-        )
-        self.pd_handoffs = Counter(
-            "tiercache_pd_handoffs",
-            "P/D hand-offs by outcome: offered (producer), read / expired (producer), "
-            "refused (consumer: incompatible or malformed), untrusted (consumer: a producer "
-            "outside its trust).",
-            labels + ["outcome"],
-            registry=self.registry,
-        )
-        self.pd_held_chunks = Gauge(
-            "tiercache_pd_held_chunks", "Producer: chunks held for consumers that have not read them yet.",
-            labels, registry=self.registry,
-        )
-        self.host_pinned_bytes = Gauge(
-            "tiercache_host_pinned_bytes",
-            "Bytes of the host tier actually page-locked for the GPU (cudaHostRegister, verified with "
-            "is_pinned), summed over the engine's workers; 0 when pinning was not wanted (no CUDA) or failed, "
-            "in which case every copy between the host tier and the GPU is synchronous (see the worker's "
-            "warning).",
-            labels, registry=self.registry,
-        )
-        self.faults = Counter(
-            "tiercache_faults",
-            "Faults tiercache contained (each a miss or a recompute, never an error in vLLM), by reason: "
-            "load_deadline, store_deadline, tier_stalled, backend_exception, connector_exception, "
-            "reader_exception, delete_dropped, lookup_timeout, integrity (tiercache/faults.py).",
-            labels + ["reason"],
-            registry=self.registry,
-        )
+        self.base = (model_name, engine, instance_name(instance))
+        self.families = {d.name: make_family(d, [*BASE_LABELS, *d.labels], self.registry)
+                         for d in ENGINE_METRICS}
+        self.pending: Payload = empty()
+        self.gauge_values: dict[str, float] = {}
+
+    def label(self, metric: MetricDef, *values: str) -> _Series:
+        assert BY_NAME.get(metric.name) is metric, metric
+        return _Series(self, metric, tuple(str(v) for v in values))
 
     def count_faults(self, counts: dict[str, int]) -> None:
         """Add fault counts by reason (from :func:`tiercache.faults.take` or a worker's report)."""
         for reason, n in counts.items():
             if n:
-                self.faults.labels(self._engine, reason).inc(n)
+                self.label(self.faults, reason).inc(n)
 
     def observe_transfer(self, path: str, num_bytes: int, secs: float) -> None:
-        self.transfer_bytes.labels(self._engine, path).inc(num_bytes)
-        self.transfer_seconds.labels(self._engine, path).observe(secs)
+        self.label(self.transfer_bytes, path).inc(num_bytes)
+        self.label(self.transfer_seconds, path).observe(secs)
 
-    def label(self, metric: Counter | Gauge, *values: str) -> Counter | Gauge:
-        return metric.labels(self._engine, *values)
+    def sample(self, name: str, **labels: str) -> float | None:
+        """A sample of this engine's registry, its base labels implied (for tools and tests)."""
+        return self.registry.get_sample_value(name, {**dict(zip(BASE_LABELS, self.base)), **labels})
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Serve /metrics over HTTP from a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def take_payload(self) -> Payload:
+        """The changes since the last take (tiercache/metrics_payload.py), for vLLM's /metrics."""
+        payload, self.pending = self.pending, empty()
+        return payload
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> bool:
+        """Serve this engine's registry on /metrics from a daemon thread; False if the port is taken."""
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # e.g. a second data-parallel engine on the same port
+            logger.warning("tiercache: metrics.port %d on %s not served (%s); the metrics are on vLLM's "
+                           "/metrics", port, host, exc)
+            return False
         logger.info("tiercache metrics on http://%s:%d/metrics", host, port)
+        return True

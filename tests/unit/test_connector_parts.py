@@ -1,4 +1,4 @@
-"""Connector pieces that need vLLM's types but no engine: events, stats, worker metadata."""
+"""Connector pieces that need vLLM's types but no engine: stats, worker metadata (events: test_kv_events.py)."""
 
 from __future__ import annotations
 
@@ -6,29 +6,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
-
-from tiercache.connector.events import to_vllm_events  # noqa: E402
 from tiercache.connector.metadata import TierCacheWorkerMetadata  # noqa: E402
 from tiercache.connector.stats import TierCacheStats  # noqa: E402
-from tiercache.events import ChunkEvent, EventKind  # noqa: E402
 
 NS = b"\x01" * 8
 
 
 def key(i: int) -> bytes:
     return NS + bytes([i]) * 32 + (0).to_bytes(4, "big")
-
-
-def test_events_carry_engine_prefix_hashes_and_tier() -> None:
-    events = to_vllm_events(
-        [ChunkEvent(EventKind.STORED, "cpu", (key(1), key(2))), ChunkEvent(EventKind.REMOVED, "disk", (key(1),))],
-        chunk_tokens=256,
-    )
-    stored, removed = events
-    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
-    assert stored.medium == "cpu" and removed.medium == "disk" and stored.block_size == 256
-    assert len(stored.block_hashes) == 2 and len(removed.block_hashes) == 1
 
 
 def test_stats_aggregate_and_reduce() -> None:

@@ -98,9 +98,8 @@ def test_faults_are_counted_by_reason_and_logged_once_per_minute(caplog: pytest.
 
 
 def test_fault_counts_reach_the_prometheus_counter() -> None:
-    metrics = TierCacheMetrics(engine_label="e")
+    metrics = TierCacheMetrics(engine="1")
     metrics.count_faults({faults.LOAD_DEADLINE: 2, faults.TIER_STALLED: 0})
     metrics.count_faults({faults.LOAD_DEADLINE: 1})
-    value = metrics.registry.get_sample_value("tiercache_faults_total", {"engine": "e", "reason": "load_deadline"})
-    assert value == 3
-    assert metrics.registry.get_sample_value("tiercache_faults_total", {"engine": "e", "reason": "tier_stalled"}) is None
+    assert metrics.sample("tiercache_faults_total", reason="load_deadline") == 3
+    assert metrics.sample("tiercache_faults_total", reason="tier_stalled") is None

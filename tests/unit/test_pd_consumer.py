@@ -94,11 +94,10 @@ def test_the_workers_peer_transfers_reach_the_transfer_metrics() -> None:
     report = TierCacheWorkerMetadata(pd=PDWorkerReport(transfers=[("peer_device_to_device", 4096, 0.002),
                                                                   ("peer_device_to_device", 8192, 0.003)]))
     sched.update_connector_output(report)
-    registry = sched.metrics.registry
-    labels = {"engine": "0", "path": "peer_device_to_device"}
-    assert registry.get_sample_value("tiercache_transfer_bytes_total", labels) == 4096 + 8192
-    assert registry.get_sample_value("tiercache_transfer_seconds_count", labels) == 2
-    assert registry.get_sample_value("tiercache_transfer_seconds_sum", labels) == pytest.approx(0.005)
+    metrics, path = sched.metrics, "peer_device_to_device"
+    assert metrics.sample("tiercache_transfer_bytes_total", path=path) == 4096 + 8192
+    assert metrics.sample("tiercache_transfer_seconds_count", path=path) == 2
+    assert metrics.sample("tiercache_transfer_seconds_sum", path=path) == pytest.approx(0.005)
 
 
 def test_a_via_host_hand_off_is_read_into_the_blocks_too() -> None:

@@ -284,5 +284,5 @@ def test_the_workers_pinned_bytes_reach_the_metric_once() -> None:
     sched = TierCacheScheduler(config, geo)
     sched.update_connector_output(merged)
     sched.update_connector_output(TierCacheWorkerMetadata())  # later steps: no change
-    value = sched.metrics.registry.get_sample_value("tiercache_host_pinned_bytes", {"engine": "0"})
+    value = sched.metrics.sample("tiercache_host_pinned_bytes")
     assert value == float(1 << 30)

@@ -162,9 +162,15 @@ class DeadlineConfig(_Frozen):
 
 class MetricsConfig(_Frozen):
     port: int | None = Field(
-        default=None, ge=0, le=65535, description="Serve Prometheus /metrics on this port."
+        default=None, ge=0, le=65535,
+        description="Serve Prometheus /metrics on this port: the cache server's metrics; an engine's are "
+        "on vLLM's /metrics, and also here when set (one engine per port).",
     )
     host: str = Field(default="127.0.0.1", description="Bind address of the /metrics server.")
+    instance: str | None = Field(
+        default=None, min_length=1,
+        description="Value of the cache_instance label on an engine's metrics (default: the host name).",
+    )
 
 
 DEFAULT_TIERS = (TierConfig(name="cpu", backend="cpu", capacity=4 << 30),)

@@ -23,6 +23,7 @@ Spec (JSON object; only ``model_dir`` and ``rounds`` are required)::
     max_num_seqs             int    optional
     enable_prefix_caching    bool   default true
     kv_transfer_config       dict   or null; passed as KVTransferConfig(**dict)
+    kv_events_config         dict   optional; passed as KVEventsConfig(**dict) (vLLM's KV events publisher)
     seed                     int    default 0
     log_stats                bool   default true (needed for per-request ttft and get_metrics)
     llm_kwargs               dict   optional extra keyword arguments for vllm.LLM
@@ -150,6 +151,10 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    if spec.get("kv_events_config"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     kwargs.update(spec.get("llm_kwargs") or {})
     return kwargs
 
