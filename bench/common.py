@@ -13,7 +13,10 @@ of 1000.
 Every benchmark writes one JSON file under ``bench/results/`` (git-ignored) with
 the same envelope: what ran (name, argv, options), where (:func:`machine_info`),
 when, and its own ``results`` payload. Tables go to stdout through
-:func:`print_table`. Nothing here knows about any particular benchmark.
+:func:`print_table`, which also keeps them (:data:`TABLES`) so that writing the
+JSON draws them into a PNG beside it (bench/table_plot.py; ``--no-plot``
+skips it, and without matplotlib one line says so). Nothing here knows about
+any particular benchmark.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from tiercache.config.sizes import parse_size
 from tiercache.testing.raw_nixl import post_transfer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TABLES: list[tuple[str | None, list[str], list[list[Any]]]] = []  # what print_table printed, to draw
 SIZE_NOTE = (
     "Sizes: bytes, or a number and a unit: KiB, MiB, GiB are powers of 1024 (64KiB = 65536), "
     "K, M, G (or KB, MB, GB) powers of 1000 (64K = 64000), as in tiercache's configs."
@@ -107,7 +111,8 @@ class BenchParser(argparse.ArgumentParser):
         if sizes:
             lines += ["", *_wrap(SIZE_NOTE)]
         if out is not None:
-            lines += ["", f"Results: bench/results/<--out>.json (default {out}.json)."]
+            lines += ["", (f"Results: bench/results/<--out>.json (default {out}.json), its tables drawn "
+                       "beside it as <--out>.png.")]
         super().__init__(
             prog=f"python -m bench {name}",
             description=doc,
@@ -119,6 +124,8 @@ class BenchParser(argparse.ArgumentParser):
             shared.add_argument(
                 "--out", default=out, help="result name under bench/results/ (default %(default)s)"
             )
+            shared.add_argument("--no-plot", action="store_true",
+                                help="write no PNG of the tables beside the JSON (drawn with matplotlib)")
         if progress:
             shared.add_argument("--no-progress", action="store_true", help="no progress bars")
         if self.quick:
@@ -292,6 +299,16 @@ def write_result(
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)
+    if TABLES and not doc["options"].get("no_plot"):
+        from bench.table_plot import draw_tables
+
+        try:
+            title = f"{name}: {describe_machine(doc['machine'])}"
+        except (KeyError, TypeError):  # a benchmark's own machine record
+            title = name
+        png = draw_tables(TABLES, path.with_suffix(".png"), title)
+        if png is not None:
+            print(f"plot: {png}")
     return path
 
 
@@ -340,7 +357,10 @@ def format_table(
 def print_table(
     headers: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None
 ) -> None:
-    print(format_table(headers, rows, title))
+    """Print the table; keep it for the PNG that :func:`write_result` draws."""
+    kept = [list(row) for row in rows]
+    TABLES.append((title, list(headers), kept))
+    print(format_table(headers, kept, title))
 
 
 def _looks_numeric(text: str) -> bool:

@@ -15,25 +15,28 @@ from tiercache import __version__
 EPILOG = """\
 examples:
   tiercache demo                          vLLM + tiercache, cold vs warm time-to-first-token
-  tiercache config check configs/cpu.yaml validate a config file and show what it means
+  tiercache config check --preset cpu-disk --set cpu_size=16GiB
+                                          validate a preset (or a file) as engine start-up does
   tiercache serve --config configs/server.yaml
                                           run the shared cache server (engines use backend: server)
-  tiercache inspect --server 127.0.0.1:7470
-                                          capacity, usage per tier, hit rates, clients
-  tiercache bench server --server 127.0.0.1:7470 --clients 16 --seconds 10
-  TIERCACHE_CHUNK_TOKENS=512 tiercache config check configs/cpu.yaml
-                                          ... with an environment override applied
+  tiercache inspect engine http://127.0.0.1:8000/metrics --watch 2
+                                          an engine's tiers, usage, hit rate, evictions, live
+  tiercache inspect server 127.0.0.1:7470 a cache server: capacity, usage per tier, hit rates, clients
+  tiercache bench server --server 127.0.0.1:7470 --clients 16 --seconds 10 --json out.json
+                                          load a cache server; out.json and a plot, out.png
+  TIERCACHE_CHUNK_TOKENS=512 tiercache config check my.yaml
+                                          ... your own file, with an environment override applied
 
 Enable tiercache in vLLM with:
   --kv-transfer-config '{"kv_connector":"TierCacheConnector",
     "kv_connector_module_path":"tiercache.connector.vllm","kv_role":"kv_both",
-    "kv_connector_extra_config":{"config_file":"configs/cpu.yaml"}}'
+    "kv_connector_extra_config":{"preset":"cpu","cpu_size":"16GiB"}}'
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tiercache.cli import config_cli, demo
-    from tiercache.server import bench_cli, inspect_cli, serve_cli
+    from tiercache.cli import config_cli, demo, inspect_cli
+    from tiercache.server import bench_cli, serve_cli
 
     parser = argparse.ArgumentParser(
         prog="tiercache",

@@ -1,4 +1,4 @@
-"""``tiercache inspect --server HOST:PORT [--token T] [--tls-ca FILE]``: what a running cache server holds.
+"""``tiercache inspect server HOST:PORT [--token T] [--tls-ca FILE]``: what a running cache server holds.
 
 Prints the server's capacity and usage per tier, hit rates (overall and the
 share served from lower tiers) and the connected clients with their own
@@ -7,8 +7,11 @@ shown to an *admin* tenant's token (``admin: true``, or the ``auth_token``
 shorthand); any other tenant's token shows that tenant's view only (its own
 clients and counters, store-wide usage hidden), and the report says so. TLS
 with ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual TLS). Exit
-status 1 when the server cannot be reached or refuses (wrong token, TLS),
-2 for bad arguments. Also runnable as
+status 1 when the server cannot be reached or refuses (wrong token, TLS), or
+the port speaks HTTP (an engine's ``/metrics``: the message says to use
+``tiercache inspect engine URL``), 2 for bad arguments. The ``inspect``
+command itself (server and engine, ``--watch``) is tiercache/cli/inspect_cli.py;
+this module is the server's part, also runnable as
 ``python -m tiercache.server.inspect_cli --server HOST:PORT``.
 """
 
@@ -82,21 +85,35 @@ def render(stats: Any, address: str) -> str:
     return "\n".join(lines)
 
 
-def run_inspect(args: argparse.Namespace) -> int:
+def fetch_stats(args: argparse.Namespace) -> Any:
+    """The server's StatsReply; ValueError for bad options, ConnectionError with the reason otherwise."""
+    from tiercache.cli.http_probe import http_hint
     from tiercache.server.client import ServerClient
     from tiercache.server.protocol import ProtocolError, RemoteError
 
     token = args.token if args.token is not None else os.environ.get("TIERCACHE_SERVER_TOKEN")
+    tls = _tls(args)
     try:
-        tls = _tls(args)
         with ServerClient(args.server, token=token, client_name="tiercache-inspect", timeout_s=args.timeout,
                           tls=tls, server_name=args.tls_server_name) as c:
-            stats = c.stats()
+            return c.stats()
+    except ValueError:
+        raise
+    except ConnectionRefusedError as exc:
+        raise ConnectionError(f"cannot inspect {args.server}: nothing listens there ({exc})") from None
+    except (OSError, ProtocolError, RemoteError) as exc:
+        hint = None if isinstance(exc, RemoteError) else http_hint(args.server)
+        raise ConnectionError(f"cannot inspect {args.server}: {hint or exc}") from None
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    try:
+        stats = fetch_stats(args)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    except (OSError, ProtocolError, RemoteError) as exc:
-        print(f"cannot inspect {args.server}: {exc}", file=sys.stderr)
+    except ConnectionError as exc:
+        print(exc, file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(as_plain(stats), indent=2))
@@ -120,13 +137,8 @@ def _tls(args: argparse.Namespace) -> Any:
     return client_context(config)
 
 
-def add_parser(sub: Any) -> None:
-    s = sub.add_parser(
-        "inspect",
-        help="show a cache server's capacity, usage per tier, hit rates and clients",
-        description="Ask a running tiercache server (tiercache serve) for its statistics.",
-    )
-    s.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's address")
+def add_server_options(s: argparse.ArgumentParser | Any) -> None:
+    """The options of a server inspection (token, TLS, timeout); ``--server`` is added by the caller."""
     s.add_argument("--token", help="an admin tenant's token for the whole server (a tenant's own token "
                    "shows only its clients and counters; default: $TIERCACHE_SERVER_TOKEN)")
     s.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
@@ -135,16 +147,16 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert (PEM)")
     s.add_argument("--tls-server-name", metavar="NAME",
                    help="name the server's certificate must carry (default: the host of --server)")
-    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
-    s.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
-    s.set_defaults(func=run_inspect)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tiercache")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["inspect", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args))
+    parser = argparse.ArgumentParser(prog="python -m tiercache.server.inspect_cli",
+                                     description="Ask a running tiercache server for its statistics.")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's address")
+    add_server_options(parser)
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
+    return run_inspect(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
