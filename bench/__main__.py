@@ -41,7 +41,7 @@ def usage(found: dict[str, str]) -> str:
         "Benchmarks; each prints its figures next to a ceiling measured in the same run,",
         "most also write bench/results/<name>.json. `python -m bench <name> --help` says",
         "what one measures, its ceiling, its options and examples; most take --quick (a",
-        "short smoke run). e2e and pd start vLLM engines; pd, pd_memory and pd_replay need",
+        "short smoke run). e2e, pd and serve start vLLM engines; pd, pd_memory and pd_replay need",
         "NIXL; cuda_batched_copy needs CUDA.",
         "",
     ]
