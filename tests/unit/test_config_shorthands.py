@@ -138,3 +138,12 @@ def test_vllm_version_range(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogC
     with caplog.at_level(logging.WARNING):
         check_vllm_version("0.33.0")
     assert "at your own risk" in caplog.text
+
+
+def test_the_server_preset_is_what_serve_reads_without_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiercache.config.presets import server_preset_path
+    from tiercache.server.config import load_server_config
+
+    monkeypatch.setenv("TIERCACHE_SERVER_TOKEN", "a-token-long-enough-for-the-server")
+    config = load_server_config(server_preset_path())
+    assert (config.host, config.port) == ("127.0.0.1", 7470) and [t.backend for t in config.tiers] == ["cpu", "disk"]

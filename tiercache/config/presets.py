@@ -35,6 +35,11 @@ def preset_path(name: str) -> Path:
     return _presets_dir() / f"{name}.yaml"
 
 
+def server_preset_path() -> Path:
+    """The cache server's packaged config (``tiercache serve`` without ``--config``)."""
+    return _presets_dir() / f"{SERVER_PRESET}.yaml"
+
+
 def resolve_config_file(config_file: str | Path | None, preset: str | None) -> str | Path | None:
     """The YAML file to read: ``config_file``, or the file of ``preset``; both is an error."""
     if preset is not None and config_file is not None:

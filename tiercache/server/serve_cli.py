@@ -17,6 +17,7 @@ from tiercache.config.schema import ConfigError
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from tiercache.config.presets import server_preset_path
     from tiercache.server.config import load_server_config
     from tiercache.server.service import serve
 
@@ -32,7 +33,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.port_file is not None:
         overrides["port_file"] = args.port_file
     try:
-        config = load_server_config(args.config, **overrides)
+        config = load_server_config(args.config or server_preset_path(), **overrides)
         return serve(config)
     except ConfigError as exc:
         print(f"INVALID\n{exc}", file=sys.stderr)
@@ -50,7 +51,9 @@ def add_parser(sub: Any) -> None:
         "Clients authenticate with a tenant's token (auth: token, the default: the config must name "
         "tokens; auth: none only on loopback). SIGTERM drains in-flight requests and copies, then exits 0.",
     )
-    s.add_argument("--config", required=True, help="server YAML (e.g. configs/server.yaml)")
+    s.add_argument("--config", help="your server YAML (default: the packaged preset, configs/server.yaml: "
+                   "loopback, port 7470, 8 GiB of host memory and a 200 GiB disk tier; the token from "
+                   "TIERCACHE_SERVER_TOKEN)")
     s.add_argument("--host", help="override the config's bind address")
     s.add_argument("--port", type=int, help="override the config's port (0: any free port)")
     s.add_argument("--port-file", help="write the bound port to this file once listening")
