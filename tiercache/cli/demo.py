@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -134,10 +136,19 @@ def _run(args: argparse.Namespace, console: TextIO) -> int:
 
 
 def _hold(seconds: float) -> None:
+    """Sleep up to ``seconds``; Ctrl-C (SIGINT) or SIGTERM ends it early.
+
+    Our own handlers for the hold, not KeyboardInterrupt: vLLM's engine client may
+    have put its own SIGINT handler in place, and then a Ctrl-C never reached the
+    sleep (seen once: the demo held on for its whole --hold).
+    """
+    ended = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: ended.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        time.sleep(seconds)
-    except KeyboardInterrupt:
-        pass
+        ended.wait(seconds)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _rounds(llm: Any, args: argparse.Namespace, url: str, console: TextIO) -> list[RoundResult]:
@@ -169,12 +180,28 @@ def _rounds(llm: Any, args: argparse.Namespace, url: str, console: TextIO) -> li
     return results
 
 
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
 def _shutdown(llm: Any) -> None:
-    """Stop the engine core now, so its exit is not reported as 'exited unexpectedly' at interpreter exit."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception as exc:  # noqa: BLE001 - best effort; vLLM's finalizer still runs at exit
-        print(f"[demo] engine shutdown: {type(exc).__name__}: {exc}", file=sys.stderr)
+    """Stop the engine core now, so its exit is not reported as 'exited unexpectedly' at interpreter exit.
+
+    Bounded: a shutdown still running after ``SHUTDOWN_TIMEOUT_S`` is reported and the demo
+    exits without waiting for it (vLLM's processes end when their parent does).
+    """
+    def stop() -> None:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # noqa: BLE001 - best effort; vLLM's finalizer still runs at exit
+            print(f"[demo] engine shutdown: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    stopper = threading.Thread(target=stop, name="demo-engine-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(SHUTDOWN_TIMEOUT_S)
+    if stopper.is_alive():
+        print(f"[demo] the engine did not shut down within {SHUTDOWN_TIMEOUT_S:g} s; leaving it", file=sys.stderr)
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _print_report(results: list[RoundResult], args: argparse.Namespace, console: TextIO) -> None:
