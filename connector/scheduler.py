@@ -11,8 +11,7 @@ or drop failed ones) and release a store's engine blocks (store_pins.py).
 A load is planned into one :class:`~tiercache.jobs.LoadJob` whose chunks each
 name their source (host slot, lower tier staged through a host slot, or a P/D
 producer's memory) and their blocks; the workers run that same object.
-Prefill/decode adds its steps through ``self.pd``, the scheduler's P/D role
-(tiercache.connector.pd.roles; a null object when P/D is off).
+Prefill/decode steps come through ``self.pd`` (tiercache.connector.pd.roles; a null object without P/D).
 
 Nothing here blocks or raises into vLLM for a storage problem: a store that
 cannot be planned is skipped (a future miss), a failed load is recomputed.
@@ -378,8 +377,9 @@ class TierCacheScheduler(SchedulerFaults):
         return self.pd.finished(request, tables)
 
     def has_pending_work(self) -> bool:
-        """The engine must step on: store pins to release, or P/D hand-offs (PDScheduler.has_pending)."""
-        return bool(self.store_pins) or self.pd.has_pending()
+        """Step on for store pins, copies down to plan or hear of (else their host copies stay pinned, unsent), P/D."""
+        demoting = any(r.direction == "demote" for r in self._jobs.values())
+        return bool(self.store_pins) or demoting or self.manager.cascade.copies_queued() or self.pd.has_pending()
 
     def take_events(self) -> list[ChunkEvent]:
         return self.manager.events.take()

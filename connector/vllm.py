@@ -283,7 +283,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # Keep the engine stepping, even with no request left, while (1) a store's blocks are
         # pinned: the workers' reports that release them come only in a step (connector/
         # store_pins.py); (2) a P/D producer's worker must learn of hand-off marks and releases,
-        # or progress UCX for held hand-offs with tcp transports (see PDScheduler.has_pending).
+        # or progress UCX for held hand-offs with tcp transports (see PDScheduler.has_pending);
+        # (3) copies down to lower tiers wait to be planned or reported: an idle engine would
+        # keep their host copies pinned (a reset skips them) and never write a shared tier.
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
     @contained(list)

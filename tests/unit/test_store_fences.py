@@ -65,8 +65,8 @@ def kv_manager() -> KVCacheManager:
                           hash_block_size=BLOCK)
 
 
-def geometry(world_size: int = 1) -> tuple[Any, ChunkGeometry]:
-    config = load_config(chunk_tokens=CHUNK, tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}])
+def geometry(world_size: int = 1, lower: list[dict[str, Any]] = ()) -> tuple[Any, ChunkGeometry]:  # type: ignore[assignment]
+    config = load_config(chunk_tokens=CHUNK, tiers=[{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}, *lower])
     engine = EngineGeometry(model="m", kv_dtype="torch.float32", kv_layout="NHD", block_size=BLOCK,
                             tp_size=world_size, world_size=world_size, bytes_per_block=PER_BLOCK,
                             hash_algo="sha256")
@@ -153,8 +153,8 @@ class V2Runner:
 class Engine:
     """vLLM's scheduler side, reduced to the calls that matter here, on a real KVCacheManager."""
 
-    def __init__(self, world_size: int = 1, pins: bool = True) -> None:
-        config, geo = geometry(world_size)
+    def __init__(self, world_size: int = 1, pins: bool = True, lower: list[dict[str, Any]] = ()) -> None:  # type: ignore[assignment]
+        config, geo = geometry(world_size, lower)
         self.kv_mgr = kv_manager()
         self.sched = TierCacheScheduler(config, geo)
         self.sched.bind_kv_cache_manager(self.kv_mgr)

@@ -52,6 +52,10 @@ class Cascade:
             queue.update(dict.fromkeys(fresh))
             self._holds.hold(self.host, fresh)
 
+    def copies_queued(self) -> bool:
+        """Whether some write-through copy waits for a step to be planned."""
+        return any(self._demote_queue.values())
+
     def drop_queued(self) -> None:
         """Give up every pending write-through copy (a reset); their host pins are released."""
         for queue in self._demote_queue.values():
