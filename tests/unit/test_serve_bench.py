@@ -12,6 +12,7 @@ tiny model, 8 prefixes of 512 tokens, 16 prompts, concurrency 2).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import shutil
@@ -149,3 +150,16 @@ def test_the_ratios_are_drawn_as_svg_and_png(tmp_path: pathlib.Path) -> None:
     assert written[1].read_bytes()[:4] == b"\x89PNG"
     svg = written[0].read_text()
     assert "request throughput / ideal" in svg and "512 prefix, c=2" in svg
+
+
+def test_every_case_binds_its_compute_threads_to_the_same_cores(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: pathlib.Path) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    expected = ",".join(map(str, cores[:-1] if len(cores) > 1 else cores))
+    servers = [serve_stack.OpenAIServer(tmp_path, "tiny", blocks=8, kv_space_gib=1, max_model_len=64,
+                                        kv_transfer=kv, log=tmp_path / "log")
+               for kv in (None, {"kv_connector": "TierCacheConnector"})]
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in servers] == [expected, expected]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")  # the user's choice wins
+    assert serve_stack.omp_bind() == "0-3"
