@@ -93,7 +93,20 @@ class Backend(ABC):
 
     @abstractmethod
     def submit_get(self, job_id: int, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
-        """Start reading ``keys[i]`` into ``views[i]``; report through :meth:`poll`."""
+        """Start reading ``keys[i]`` into ``views[i]``; report through :meth:`poll`.
+
+        Ownership of the destination: ``views[i]`` (a host-tier staging slot, or a
+        bounce buffer) belongs to the backend from this call until :meth:`poll` has
+        returned the job's result, and its bytes mean something only if ``keys[i]``
+        is among that result's ``ok_keys``. A backend may write a view before it has
+        verified what it wrote (the LMDB tier checksums a chunk while copying it);
+        for a failed key the view may hold anything, and the caller never exposes
+        it: the pipeline leaves the chunk out of the device copy, TierIO scatters
+        only ok keys out of bounce buffers, and the manager's ``complete_load`` frees
+        a failed chunk's staging slot instead of making it READY (the conformance
+        kit still asks a backend to leave a failed view untouched or zeroed, so that
+        no stale chunk survives in it).
+        """
 
     @abstractmethod
     def poll(self) -> list[JobResult]:

@@ -21,7 +21,9 @@ Every chunk a lower tier holds (disk, LMDB, a remote store) is stored as a
 All integers are little endian. The checksum covers bytes ``[0, 8)`` and
 ``[16, 40 + key_len)`` of the header (everything but the checksum field and
 the padding) followed by the payload, digested incrementally: no copy of the
-payload is made to checksum it.
+payload is made to checksum it. :class:`FrameDigest` is that digest fed piece by
+piece, for a medium that checksums a payload while copying it (writing:
+:func:`open_header`, then ``seal``; reading: :func:`check_header`, then :func:`check_checksum`).
 
 Keyed MAC (``ALGO_BLAKE2B_MAC``). A tier given a secret (``mac_key``) writes
 frames whose checksum field holds a MAC of the same bytes: keyed BLAKE2b with
@@ -50,7 +52,10 @@ when the frame is not what was asked for: wrong magic, version, namespace,
 key or length; :class:`MacError` when a MAC is missing, unexpected or wrong).
 A backend turns it into a failed key plus a counter, never into bytes handed
 to the engine: :func:`decode_frame` copies a payload into the caller's buffer
-only after it verified.
+only after it verified. A backend that verifies while it copies (the LMDB
+tier) writes the buffer first and must then treat it by the contract of
+:meth:`tiercache.backend.Backend.submit_get`: its bytes mean nothing unless the
+key is reported ok.
 
 Buffers: every function here works on caller-owned buffers and keeps no
 reference to them after returning. Nothing here holds state but a
@@ -69,10 +74,11 @@ from tiercache.mac import MacKey
 
 __all__ = [
     "ALGO_BLAKE2B_MAC", "ALGO_XXH3_64", "ALIGN", "FIXED_HEADER_BYTES", "FORMAT_VERSION",
-    "FRAME_MAGIC", "MAX_KEY_BYTES", "ChecksumMismatch", "FrameFormatError", "FrameHeader",
-    "IntegrityError", "MacError", "MacKey", "aligned_frame_bytes", "compact_header_len",
-    "compact_payload", "decode_frame", "encode_frame", "frame_checksum", "frame_header",
-    "pack_header", "read_header", "round_up", "verify_frame",
+    "FRAME_MAGIC", "MAX_KEY_BYTES", "ChecksumMismatch", "FrameDigest", "FrameFormatError",
+    "FrameHeader", "IntegrityError", "MacError", "MacKey", "aligned_frame_bytes", "check_checksum",
+    "check_header", "compact_header_len", "compact_payload", "decode_frame", "encode_frame",
+    "frame_checksum", "frame_header", "open_header", "pack_header", "read_header", "round_up",
+    "verify_frame",
 ]
 
 FRAME_MAGIC = b"TCKF"
@@ -156,6 +162,20 @@ def pack_header(
     padding between the key and ``header_len`` is zero-filled. With ``mac`` the
     frame is a MAC frame (``ALGO_BLAKE2B_MAC``) and the value returned its tag.
     """
+    digest = open_header(into, namespace, key, _nbytes(payload), header_len, mac=mac)
+    digest.update(payload)
+    return digest.seal(into)
+
+
+def open_header(
+    into: memoryview | bytearray, namespace: bytes, key: bytes, payload_len: int,
+    header_len: int | None = None, *, mac: MacKey | None = None,
+) -> FrameDigest:
+    """Write every header field but the checksum; return the digest to feed the payload to.
+
+    The streaming form of :func:`pack_header`: ``update`` the digest with the
+    payload's bytes in order (in pieces of any size), then ``seal(into)``.
+    """
     if len(namespace) != 8:
         raise ValueError(f"namespace digest must be 8 bytes, got {len(namespace)}")
     key_len = len(key)
@@ -163,25 +183,12 @@ def pack_header(
     header_len = min_len if header_len is None else header_len
     if not min_len <= header_len <= 0xFFFF:
         raise ValueError(f"header_len {header_len} outside [{min_len}, 65535]")
-    payload_len = _nbytes(payload)
-    _FIXED.pack_into(
-        into,
-        0,
-        FRAME_MAGIC,
-        FORMAT_VERSION,
-        ALGO_XXH3_64 if mac is None else ALGO_BLAKE2B_MAC,
-        0,
-        0,
-        namespace,
-        payload_len,
-        key_len,
-        header_len,
-    )
+    algo = ALGO_XXH3_64 if mac is None else ALGO_BLAKE2B_MAC
+    _FIXED.pack_into(into, 0, FRAME_MAGIC, FORMAT_VERSION, algo, 0, 0, namespace, payload_len,
+                     key_len, header_len)
     into[FIXED_HEADER_BYTES:min_len] = key
     _zero_fill(into, min_len, header_len)
-    checksum = frame_checksum(into, key_len, payload, mac=mac)
-    _CHECKSUM.pack_into(into, _CHECKSUM_AT, checksum)
-    return checksum
+    return FrameDigest(into, key_len, mac=mac)
 
 
 def frame_header(
@@ -216,17 +223,40 @@ def frame_checksum(
 ) -> int:
     """xxh3_64 (or, with ``mac``, the keyed MAC) over the header minus checksum field and
     padding, then the payload; as the u64 the checksum field holds."""
-    hv = memoryview(header)
-    covered = (hv[:_CHECKSUM_AT], hv[_CHECKSUM_AT + 8 : FIXED_HEADER_BYTES + key_len], payload)
-    if mac is None:
-        digest = xxhash.xxh3_64()
-        for piece in covered:
-            digest.update(piece)
-        return digest.intdigest()
-    keyed = mac.hasher()
-    for piece in covered:
-        keyed.update(piece)
-    return int.from_bytes(keyed.digest(), "little")
+    digest = FrameDigest(header, key_len, mac=mac)
+    digest.update(payload)
+    return digest.value()
+
+
+class FrameDigest:
+    """A frame's checksum (:func:`frame_checksum`) fed its payload piece by piece.
+
+    Built on a header (its covered fields digested at once); ``update`` with the payload's
+    bytes in order, then ``value()`` or ``seal``. The one place the checksum is computed.
+    """
+
+    __slots__ = ("_hasher", "_mac", "update")
+
+    def __init__(self, header: memoryview | bytes | bytearray, key_len: int, *,
+                 mac: MacKey | None = None) -> None:
+        hv = memoryview(header)
+        self._mac = mac
+        self._hasher = xxhash.xxh3_64() if mac is None else mac.hasher()
+        self.update = self._hasher.update  # the hasher's own (no call layer; xxh3 frees the GIL)
+        self.update(hv[:_CHECKSUM_AT])
+        self.update(hv[_CHECKSUM_AT + 8 : FIXED_HEADER_BYTES + key_len])
+
+    def value(self) -> int:
+        """The checksum as the u64 the checksum field holds."""
+        if self._mac is None:
+            return int(self._hasher.intdigest())
+        return int.from_bytes(self._hasher.digest(), "little")
+
+    def seal(self, into: memoryview | bytearray) -> int:
+        """Write the checksum into the header ``into`` (see :func:`open_header`); return it."""
+        checksum = self.value()
+        _CHECKSUM.pack_into(into, _CHECKSUM_AT, checksum)
+        return checksum
 
 
 def read_header(header: memoryview | bytes | bytearray) -> FrameHeader:
@@ -265,6 +295,20 @@ def verify_frame(
     verifies under it; without, an xxh3 frame. Raises FrameFormatError,
     ChecksumMismatch or MacError.
     """
+    head = check_header(header, namespace, key, _nbytes(payload), mac=mac)
+    check_checksum(head, frame_checksum(header, len(key), payload, mac=mac), key, mac=mac)
+    return head
+
+
+def check_header(
+    header: memoryview | bytes | bytearray, namespace: bytes, key: bytes, payload_len: int,
+    *, mac: MacKey | None = None,
+) -> FrameHeader:
+    """:func:`verify_frame` but the checksum: format, algorithm, namespace, key and length.
+
+    For a reader that checksums the payload while copying it: feed it to
+    ``FrameDigest(header, len(key), mac=mac)``, then :func:`check_checksum`.
+    """
     head = read_header(header)
     _check_algo(head.algo, mac)
     if head.namespace != namespace:
@@ -273,10 +317,13 @@ def verify_frame(
         )
     if head.key != key:
         raise FrameFormatError(f"frame of key {head.key.hex()}, expected {key.hex()}")
-    size = _nbytes(payload)
-    if head.payload_len != size:
-        raise FrameFormatError(f"payload of {head.payload_len} bytes, expected {size}")
-    actual = frame_checksum(header, len(key), payload, mac=mac)
+    if head.payload_len != payload_len:
+        raise FrameFormatError(f"payload of {head.payload_len} bytes, expected {payload_len}")
+    return head
+
+
+def check_checksum(head: FrameHeader, actual: int, key: bytes, *, mac: MacKey | None = None) -> None:
+    """Compare the checksum computed over a frame with its header's (constant time)."""
     if not hmac.compare_digest(_CHECKSUM.pack(actual), _CHECKSUM.pack(head.checksum)):
         if mac is not None:  # never show a tag: it would tell a forger the right one
             raise MacError(f"MAC of key {key.hex()} does not verify under this tier's key")
@@ -284,7 +331,6 @@ def verify_frame(
             f"checksum mismatch for key {key.hex()}: stored {head.checksum:016x}, "
             f"computed {actual:016x}"
         )
-    return head
 
 
 def compact_payload(

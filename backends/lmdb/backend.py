@@ -7,9 +7,13 @@ named sub-database, ``tiercache/frames-v<format>/<namespace hex>/rank<r>``
 chunk key itself, which starts with the 8-byte namespace digest (a key of
 another namespace is refused), and the value is a compact frame from
 :mod:`tiercache.integrity`: a header (format version, namespace, key,
-length, xxh3_64 checksum) and the payload. Every load verifies the frame
-before one byte reaches the caller's buffer; a frame that fails is a miss
-and counts in ``stats()["checksum_failures"]``.
+length, xxh3_64 checksum) and the payload. Every load checks the header
+before one byte reaches the caller's buffer, then verifies the checksum while
+it copies the payload into the buffer (:mod:`tiercache.backends.lmdb.frames`:
+every byte read from memory once). So a get's buffer is the backend's until
+its job is polled, and its bytes mean nothing unless the key is reported ok
+(:meth:`tiercache.backend.Backend.submit_get`); a frame that fails is a miss,
+its buffer zeroed, and counts in ``stats()["checksum_failures"]``.
 
 Processes. LMDB's own multi-process model: every process maps the same
 files; one write transaction at a time across all of them (LMDB's writer

@@ -91,7 +91,10 @@ class Transactions:
 
     # ------------------------------------------------------------------ get threads
     def get(self, db: Any, job: BackendJob) -> tuple[list[bytes], list[bytes], int, int]:
-        """One read transaction: verify each frame in the map, then copy its payload out.
+        """One read transaction: copy each frame's payload out of the map, verifying it as it goes.
+
+        A view of a failed key holds nothing usable (zeroed, or untouched), as the
+        backend contract allows.
 
         Returns the keys loaded, those missing or failed, payload bytes, and how
         many frames failed verification.

@@ -23,8 +23,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.unit.test_store_fences import CHUNK, Engine, prompt  # noqa: E402
-from tiercache.connector.vllm import TierCacheConnector  # noqa: E402
+from tests.unit.test_store_fences import CHUNK, Engine, prompt
+from tiercache.connector.vllm import TierCacheConnector
 
 
 @pytest.fixture
