@@ -10,8 +10,10 @@ regions per layer). Each chunk is one job of one segment, its block ids either
 ``scattered`` (a random permutation, as a paged allocator hands them out after
 a while) or ``contiguous``. A chunk's size is its bytes over all layers, so a
 chunk of ``S`` bytes holds ``S / bytes_per_block`` blocks; sizes smaller than
-one block are skipped. The default geometry (32 layers of 16 tokens x 1 KV
-head x 32 dims in bf16: 2 KiB pages, 64 KiB blocks) is a small model's, the
+one block are skipped. ``--chunks-per-job K`` puts K chunks (segments) in each
+job instead, as a step's store of a request's K new chunks does. The default
+geometry (32 layers of 16 tokens x 1 KV head x 32 dims in bf16: 2 KiB pages,
+64 KiB blocks) is a small model's, the
 hardest case: many small copies per chunk. A Llama-8B-like one is
 ``--kv-heads 8 --head-dim 128 --kv-split --sizes 2MiB,4MiB,8MiB,16MiB --total 1GiB``.
 
@@ -25,6 +27,9 @@ bytes, same run:
   contiguous buffer of ``--total`` bytes: the ceiling the target refers to;
 * ``chunked``: ``ctypes.memmove`` of the same buffer in chunk-sized pieces
   (what any copy that goes chunk by chunk can reach at best);
+* per-job cost, reported beside the streaming figures (CPU columns ``1 job us``,
+  ``submit us``): the median time of one store job submitted alone and waited
+  for, and the host time one submit takes while the others stream;
 * on CUDA, pinned host <-> device ``copy_(non_blocking=True)`` of one buffer
   (``cudaMemcpyAsync``), device->host for stores, host->device for loads; and,
   where the installed vLLM is a CUDA build, vLLM's own batched swap op
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import sys
 import time
@@ -61,6 +67,7 @@ from bench import common, cuda_refs
 from tiercache.jobs import TransferJob
 from tiercache.layout import KVBlockLayout, block_runs
 from tiercache.testing.job_builders import make_job
+from tiercache.transfer import host_kernel
 from tiercache.transfer.device import CopySegment, Direction, default_copy_threads
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.host_gather import HostSegmentCopier
@@ -94,6 +101,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--dtype", choices=sorted(DTYPES), default="bf16", help="KV dtype (default bf16)")
     add("--kv-split", action="store_true", help="(2, num_blocks, ...) tensors: K and V apart")
     add("--ids", default="scattered,contiguous", help="block id patterns (default %(default)s)")
+    add("--chunks-per-job", type=int, default=1,
+        help="chunks (segments) per job, as a request's store of several new chunks (default 1)")
     add(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -117,9 +126,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add(
         "--per-run-copies",
         action="store_true",
-        help="force the generic per-run copy_ path (tiercache.transfer.device.copy_segments) on the CPU, "
+        help="CPU: force the copy plan with one memmove per run (no numpy gathers, no kernel), "
         "for before/after comparisons",
     )
+    add("--kernel", action="store_true",
+        help="CPU: copy with the opt-in rep-movsb kernel (tiercache/transfer/host_kernel.py, "
+        "TIERCACHE_HOST_KERNEL=1) and its batches")
     parser.add_seed()
     return parser.parse_args(argv)
 
@@ -183,14 +195,16 @@ def block_order(num_blocks: int, pattern: str, seed: int) -> list[int]:
 
 
 def make_jobs(
-    direction: Direction, order: list[int], bpc: int, first_id: int = 0
+    direction: Direction, order: list[int], bpc: int, first_id: int = 0, per_job: int = 1
 ) -> list[TransferJob]:
-    """One job per chunk: chunk ``c`` <-> slot ``c``."""
+    """Chunk ``c`` <-> slot ``c``; ``per_job`` consecutive chunks per job (one by default)."""
+    chunks = len(order) // bpc
     jobs = []
-    for c in range(len(order) // bpc):
-        seg = CopySegment(c, 0, tuple(order[c * bpc : (c + 1) * bpc]))
-        key = b"%d" % c
-        jobs.append(make_job(first_id + c, f"bench-{c}", direction, (key,), (seg,)))
+    for j, first in enumerate(range(0, chunks, per_job)):
+        cs = range(first, min(first + per_job, chunks))
+        segs = tuple(CopySegment(c, 0, tuple(order[c * bpc : (c + 1) * bpc])) for c in cs)
+        keys = tuple(b"%d" % c for c in cs)
+        jobs.append(make_job(first_id + j, f"bench-{first}", direction, keys, segs))
     return jobs
 
 
@@ -314,6 +328,7 @@ class Cell:
     method: str = "cpu"  # the copier's method (CUDA: gather, vllm_batch, per_run)
     calls_per_chunk: float | None = None  # copy calls (kernels, DMAs, batched calls) one chunk's job issues
     host_us_per_chunk: float | None = None  # host time submitting one chunk's job (median store, load)
+    job_us: float | None = None  # one store job submitted alone and waited for (median), microseconds
     vllm_batch_store_gbs: float | None = None  # vLLM's swap_blocks_batch on the same pages, if installed
     vllm_batch_load_gbs: float | None = None
 
@@ -333,7 +348,8 @@ def measure_cell(
     order = block_order(num_blocks, pattern, args.seed)
     engine = TransferEngine(layout, bpc, num_blocks // bpc, copy_threads=args.threads, cuda_copy=method)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    stores, loads = make_jobs("store", order, bpc), make_jobs("load", order, bpc, len(order))
+    per = args.chunks_per_job
+    stores, loads = make_jobs("store", order, bpc, 0, per), make_jobs("load", order, bpc, len(order), per)
     submits: dict[str, list[float]] = {"store": [], "load": []}
     try:
         run_jobs(engine, stores, sync)  # warm-up: touches every slot page
@@ -346,6 +362,8 @@ def measure_cell(
                 samples.setdefault(name, []).append(fn())
             bar.update(1)
         calls = cuda_refs.calls_per_chunk(engine, stores) if refs.cuda else None
+        # per-job cost (CPU): up to 32 store jobs, each submitted alone and waited for
+        alone = [] if refs.cuda else [run_jobs(engine, [job], sync) for job in stores[:: max(1, len(stores) // 32)]]
     finally:
         engine.shutdown()
     copier = getattr(engine.copier, "_segment_copier", None)
@@ -357,6 +375,7 @@ def measure_cell(
     cell.calls_per_chunk = calls
     per_job = [s / len(stores) * 1e6 for s in submits["store"] + submits["load"]]
     cell.host_us_per_chunk = statistics.median(per_job) if per_job else None
+    cell.job_us = statistics.median(alone) * 1e6 if alone else None
     return cell
 
 
@@ -458,7 +477,10 @@ def print_cells(cells: list[Cell], title: str) -> None:
             f"{c.store_vs_memcpy:.0%}",
             f"{c.load_vs_memcpy:.0%}",
         ]
-        if c.cuda_d2h_gbs is not None:
+        if c.cuda_d2h_gbs is None:
+            row += [f"{c.job_us:.0f}" if c.job_us is not None else "-",
+                    f"{c.host_us_per_chunk:.1f}" if c.host_us_per_chunk is not None else "-"]
+        else:
             vllm = (f"{c.vllm_batch_store_gbs:.1f}/{c.vllm_batch_load_gbs:.1f}"
                     if c.vllm_batch_store_gbs is not None else "n/a")
             row += [
@@ -471,6 +493,8 @@ def print_cells(cells: list[Cell], title: str) -> None:
                 f"{c.host_us_per_chunk:.0f}" if c.host_us_per_chunk is not None else "-",
             ]
         rows.append(row)
+    if cells and cells[0].cuda_d2h_gbs is None:
+        headers += ["1 job us", "submit us"]
     if cells and cells[0].cuda_d2h_gbs is not None:
         headers += ["D2H GB/s", "H2D GB/s", "store/D2H", "load/H2D", "vLLM batch st/ld", "calls", "host us"]
     common.print_table(headers, rows, title)
@@ -515,17 +539,20 @@ def describe_run(
     else:
         copier = f"{args.threads or default_copy_threads()} copy thread(s)"
         copier += ", per-run copies" if args.per_run_copies else ""
+        copier += ", rep-movsb kernel (opt-in)" if args.kernel and not args.per_run_copies else ""
     return (
         f"host tier {device.type}: {geom.layers} layers of {shape} {geom.dtype}, "
         f"{geom.bytes_per_block} B/block, {page} B/page, "
         f"{common.size_label(total)} per measurement, "
-        f"median of {args.repeat}, {copier}\n{common.describe_machine(machine)}"
+        f"median of {args.repeat}, {copier}, {args.chunks_per_job} chunk(s) per job"
+        f"\n{common.describe_machine(machine)}"
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     device = pick_device(args.device)
+    os.environ[host_kernel.ENV_SWITCH] = "1" if args.kernel and not args.per_run_copies else "0"
     if args.per_run_copies:
         HostSegmentCopier.build = classmethod(lambda cls, *a: None)  # type: ignore[method-assign]
     geom = Geometry(

@@ -4,9 +4,9 @@ Stores copy engine blocks into host slots, loads copy them back; the expected
 slot bytes are computed here from the engine tensors directly (not through
 the layout), so a store is checked against the slot format itself:
 region-major, region ``r`` of a chunk at ``sum(page[:r]) * blocks_per_chunk``,
-block ``i`` of the chunk at ``i * page`` inside it. Every scenario runs on both
-copy paths (numpy gathers and generic per-run copies) and with one and two
-copy threads.
+block ``i`` of the chunk at ``i * page`` inside it. Every scenario runs on the
+three copy paths (the rep-movsb kernel where it works, numpy gathers, per-run
+copies) and with one and two copy threads.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
+from tiercache.layout import KVBlockLayout
+from tiercache.transfer import host_copier, host_kernel
 from tiercache.transfer.copiers import make_copier
 from tiercache.transfer.device import CopyDone, CopyJob, CopySegment, copy_segments, zero_blocks
 from tiercache.transfer.host_copier import HostThreadCopier
 from tiercache.transfer.host_gather import GIL_FREE_ITEMS, MIN_LOAD_ITEM_BYTES, HostSegmentCopier
-from tiercache.layout import KVBlockLayout
 
 NUM_BLOCKS = 48
 BPC = 4  # blocks per chunk
@@ -87,8 +88,17 @@ def block_bytes(kvs: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
     return [pages[block].clone() for pages in pages_of(kvs)]
 
 
-@pytest.fixture(params=["numpy", "per-run"])
+@pytest.fixture(params=["kernel", "numpy", "per-run"])
 def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """kernel: every copy by the rep-movsb kernel (tiercache/transfer/host_kernel.py); numpy: the
+    gathers; per-run: one memmove per plan run (neither kernel nor gathers)."""
+    if request.param == "kernel":
+        if host_kernel.run_kernel(force=True) is None:
+            pytest.skip("no rep-movsb copy kernel on this machine")
+        monkeypatch.setattr(host_copier, "run_kernel", lambda: host_kernel.run_kernel(force=True))
+        monkeypatch.setattr(host_copier, "KERNEL_MIN_BYTES", 0)
+    else:
+        monkeypatch.setattr(host_copier, "run_kernel", lambda: None)
     if request.param == "per-run":
         monkeypatch.setattr(HostSegmentCopier, "build", classmethod(lambda cls, *a: None))
     return str(request.param)

@@ -7,8 +7,9 @@ module, and :func:`tiercache.transfer.copiers.make_copier` picks one:
 * :class:`~tiercache.transfer.host_copier.HostThreadCopier` (CPU platform, any host-resident KV):
   copies run on background threads (two by default), so submitting never
   blocks the forward pass. A segment is copied by one numpy gather or
-  scatter per group of alike regions (:class:`HostSegmentCopier`) rather than
-  one ``copy_`` per page run: with many layers and small blocks the per-call
+  scatter per group of alike regions (:class:`HostSegmentCopier`), or a batch of
+  jobs by one call of the copy kernel (:mod:`tiercache.transfer.host_kernel`),
+  rather than one ``copy_`` per page run: with many layers and small blocks the per-call
   cost, not memory bandwidth, would otherwise bound throughput. numpy also
   releases the GIL and copies on the calling thread only (torch's ``copy_``
   fans big copies out to its intra-op pool, which competes with the forward

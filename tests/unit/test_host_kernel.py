@@ -1,0 +1,239 @@
+"""The rep-movsb copy kernel (tiercache/transfer/host_kernel.py) and the CPU copier's batches.
+
+The kernel runs copy plans (tiercache/transfer/copy_plan.py); every case compares
+the bytes it leaves with a naive reference written here (one slice assignment
+per page, from the engine tensors' shapes, not from the plan): scattered ids,
+consecutive runs, ids out of order, a single page, partial chunks, several
+segments, and the largest job (every block of the engine into every slot), for
+stores and loads, with pages of 2 KiB (the small-model case of issue 22) and
+of odd sizes. Negative controls: a plan with two runs swapped is caught, and
+the kernel is off unless ``TIERCACHE_HOST_KERNEL=1``. The copier's batches: parts
+queued behind a busy thread are copied as one job, each reported with its own
+bytes, a bad part failing alone.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tiercache.layout import KVBlockLayout
+from tiercache.transfer import host_copier, host_kernel
+from tiercache.transfer.copy_plan import CopyPlan, PlanGeometry, plan_copy
+from tiercache.transfer.device import CopyJob, CopySegment
+from tiercache.transfer.host_copier import HostThreadCopier
+
+run = host_kernel.run_kernel(force=True)  # off by default: opt-in with TIERCACHE_HOST_KERNEL=1
+needs_kernel = pytest.mark.skipif(run is None, reason="no rep-movsb copy kernel on this machine")
+
+NUM_BLOCKS = 40
+BPC = 4
+SLOTS = NUM_BLOCKS // BPC
+
+
+def make_layout(page_bytes: int, layers: int = 3, seed: int = 0) -> tuple[KVBlockLayout, list[torch.Tensor]]:
+    """``layers`` separately allocated (NUM_BLOCKS, 2, page/2) byte tensors of random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    kvs = {f"l{i}": torch.randint(0, 256, (NUM_BLOCKS, 2, page_bytes // 2), dtype=torch.uint8, generator=gen)
+           for i in range(layers)}
+    layout = KVBlockLayout.from_kv_caches(kvs, NUM_BLOCKS)
+    return layout, [t.reshape(NUM_BLOCKS, -1) for t in kvs.values()]
+
+
+def naive(pages: list[torch.Tensor], slab: torch.Tensor, job: CopyJob) -> None:
+    """The reference: one copy per (segment, layer, block), slot layout ``slots``."""
+    for seg in job.segments:
+        base = 0
+        for region in pages:
+            page = region.shape[1]
+            for pos, block in enumerate(seg.block_ids):
+                start = base + (seg.first_block + pos) * page
+                if job.direction == "store":
+                    slab[seg.slot, start:start + page] = region[block]
+                else:
+                    region[block] = slab[seg.slot, start:start + page]
+            base += page * BPC
+
+
+def jobs_of(kind: str, rng: random.Random) -> list[tuple[CopySegment, ...]]:
+    ids = list(range(NUM_BLOCKS))
+    rng.shuffle(ids)
+    if kind == "scattered":
+        return [(CopySegment(3, 0, tuple(ids[:BPC])),)]
+    if kind == "consecutive":
+        return [(CopySegment(5, 0, (12, 13, 14, 15)),), (CopySegment(6, 0, (16, 17, 18, 19)),)]
+    if kind == "out-of-order":
+        return [(CopySegment(1, 0, (9, 8, 7, 6)),), (CopySegment(2, 0, (30, 2, 31, 3)),)]
+    if kind == "single-page":
+        return [(CopySegment(7, 2, (33,)),)]
+    if kind == "partial":
+        return [(CopySegment(0, 1, (4, 5)), CopySegment(9, 3, (39,)), CopySegment(4, 0, (22, 11, 23)))]
+    if kind == "largest":  # every block, every slot, slots out of order: one job
+        slots = list(range(SLOTS))
+        rng.shuffle(slots)
+        return [tuple(CopySegment(s, 0, tuple(ids[i * BPC:(i + 1) * BPC])) for i, s in enumerate(slots))]
+    raise AssertionError(kind)
+
+
+KINDS = ["scattered", "consecutive", "out-of-order", "single-page", "partial", "largest"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("page", [2048, 96], ids=["2KiB-pages", "96B-pages"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_plans_leave_the_reference_bytes(kind: str, page: int) -> None:
+    assert run is not None
+    layout, pages = make_layout(page)
+    slab = torch.randint(0, 256, (SLOTS, layout.slot_bytes(BPC)), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1))
+    geometry = PlanGeometry.of(layout, slab, BPC)
+    rng = random.Random(kind)
+    for segments in jobs_of(kind, rng):
+        store, ref_slab = CopyJob(1, "store", segments), slab.clone()
+        assert run(plan_copy(geometry, True, segments)) == sum(len(s.block_ids) for s in segments) * 3 * page
+        naive(pages, ref_slab, store)
+        assert torch.equal(slab, ref_slab)
+        # load: fresh slot bytes back into the engine
+        for seg in segments:
+            slab[seg.slot] = torch.randint(0, 256, (slab.shape[1],), dtype=torch.uint8)
+        ref_pages = [p.clone() for p in pages]
+        run(plan_copy(geometry, False, segments))
+        naive(ref_pages, slab, CopyJob(2, "load", segments))
+        assert all(torch.equal(a, b) for a, b in zip(pages, ref_pages))
+
+
+@needs_kernel
+def test_one_segment_plan_equals_the_general_plan() -> None:
+    """The one-segment fast path (copy_plan._plan_segment) plans exactly what the general path plans."""
+    layout, _ = make_layout(2048)
+    slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
+    geometry = PlanGeometry.of(layout, slab, BPC)
+    for kind in KINDS[:-1]:
+        for segments in jobs_of(kind, random.Random(kind)):
+            for seg in segments:
+                fast = plan_copy(geometry, True, (seg,))
+                general = plan_copy(geometry, True, (seg, CopySegment(seg.slot, 0, ())))  # two segments
+                for a, b in ((fast.engine_ptrs, general.engine_ptrs), (fast.host_ptrs, general.host_ptrs),
+                             (fast.sizes, general.sizes)):
+                    assert np.array_equal(a, b)
+
+
+@needs_kernel
+def test_a_plan_with_two_runs_swapped_is_caught() -> None:
+    """Negative control: the comparison above notices host pages in the wrong place."""
+    assert run is not None
+    layout, pages = make_layout(2048)
+    slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
+    segments = jobs_of("scattered", random.Random(0))[0]
+    plan = plan_copy(PlanGeometry.of(layout, slab, BPC), True, segments)
+    host = plan.host_ptrs.copy()
+    host[[0, 1]] = host[[1, 0]]
+    run(CopyPlan(True, plan.engine_ptrs, host, plan.sizes))
+    reference = torch.zeros_like(slab)
+    naive(pages, reference, CopyJob(1, "store", segments))
+    assert not torch.equal(slab, reference)
+
+
+def test_the_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(host_kernel.ENV_SWITCH, raising=False)
+    assert host_kernel.run_kernel() is None  # the default: numpy gathers
+    monkeypatch.setenv(host_kernel.ENV_SWITCH, "0")
+    assert host_kernel.run_kernel() is None
+    monkeypatch.setenv(host_kernel.ENV_SWITCH, "1")
+    assert (host_kernel.run_kernel() is None) == (run is None)  # on where it works here
+
+
+# ---------------------------------------------------------------------------- batches
+def gated_copier(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> tuple[HostThreadCopier, list[CopyJob],
+                                                                            threading.Event, list[torch.Tensor]]:
+    """A one-thread copier whose first copy waits for the returned event; its copies are recorded."""
+    monkeypatch.setattr(host_copier, "run_kernel", lambda: host_kernel.run_kernel(force=kernel) if kernel else None)
+    layout, pages = make_layout(2048)
+    slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
+    copier = HostThreadCopier(layout, slab, BPC, threads=1)
+    calls: list[CopyJob] = []
+    release = threading.Event()
+    copy = copier._copy
+
+    def recorded(job: CopyJob) -> int:
+        calls.append(job)
+        if len(calls) == 1:
+            assert release.wait(10)
+        return copy(job)
+
+    monkeypatch.setattr(copier, "_copy", recorded)
+    return copier, calls, release, pages
+
+
+def submit_behind_the_first(copier: HostThreadCopier, calls: list[CopyJob], jobs: list[CopyJob]) -> None:
+    """Submit ``jobs[0]``, wait until the thread holds it at the gate, then queue the others."""
+    copier.submit(jobs[0])
+    for _ in range(1000):
+        if calls:
+            break
+        threading.Event().wait(0.01)
+    assert len(calls) == 1
+    for job in jobs[1:]:
+        copier.submit(job)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no-kernel"])
+def test_parts_queued_behind_a_busy_thread_are_copied_as_one_batch(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kernel and run is None:
+        pytest.skip("no rep-movsb copy kernel on this machine")
+    copier, calls, release, pages = gated_copier(monkeypatch, kernel)
+    try:
+        rng = random.Random(3)
+        ids = list(range(NUM_BLOCKS))
+        rng.shuffle(ids)
+        jobs = [CopyJob(10 + s, "store", (CopySegment(s, 0, tuple(ids[s * BPC:(s + 1) * BPC])),))
+                for s in range(SLOTS)]
+        submit_behind_the_first(copier, calls, jobs)
+        waited = time.perf_counter()
+        release.set()
+        done = copier.wait_all()
+        waited = time.perf_counter() - waited
+        assert [d.job_id for d in done] == [j.job_id for j in jobs]
+        assert all(d.ok and d.bytes == BPC * 3 * 2048 for d in done)
+        if kernel:
+            assert len(calls) == 2 and len(calls[1].segments) == SLOTS - 1  # job 10 alone, then one batch
+            # the batch's time shared out: every job's seconds are its share, not the whole batch's
+            shares = [d.secs for d in done[1:]]
+            assert sum(shares) <= waited and shares == pytest.approx([shares[0]] * len(shares), rel=1e-6)
+        else:  # without the kernel (the default) every part is copied alone, as before batches
+            assert len(calls) == SLOTS and all(len(c.segments) == 1 for c in calls)
+        reference = torch.zeros_like(copier.slab)
+        for job in jobs:
+            naive(pages, reference, job)
+        assert torch.equal(copier.slab, reference)
+    finally:
+        copier.close()
+
+
+@needs_kernel
+def test_a_bad_part_in_a_batch_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    copier, calls, release, pages = gated_copier(monkeypatch, True)
+    try:
+        good = [CopyJob(i, "store", (CopySegment(i, 0, (i, i + 10, i + 20, i + 30)),)) for i in range(4)]
+        bad = CopyJob(99, "store", (CopySegment(0, 0, (NUM_BLOCKS,)),))  # block out of range
+        load = CopyJob(50, "load", (CopySegment(9, 0, (5, 6)),))  # blocks no store reads
+        submit_behind_the_first(copier, calls, [good[0], good[1], bad, good[2], load, good[3]])
+        release.set()
+        done = {d.job_id: d for d in copier.wait_all()}
+        assert not done[99].ok and "out of range" in done[99].error and done[99].bytes == 0
+        assert all(done[j.job_id].ok and done[j.job_id].bytes == BPC * 3 * 2048 for j in good)
+        assert done[50].ok and done[50].bytes == 2 * 3 * 2048
+        assert [c.direction for c in calls[1:]] == ["store", "load"]  # the rest: one batch per direction
+        reference = torch.zeros_like(copier.slab)
+        for job in good:
+            naive(pages, reference, job)
+        assert torch.equal(copier.slab, reference)
+    finally:
+        copier.close()
