@@ -50,11 +50,18 @@ if torch.cuda.is_available():
 EOF
 
 step "dependencies"
+missing() {  # the packages this Python cannot import (pip names)
+  for pair in numpy:numpy pytest:pytest tqdm:tqdm yaml:pyyaml pydantic:pydantic pydantic_settings:pydantic-settings; do
+    "$PY" -c "import ${pair%%:*}" 2>/dev/null || echo "${pair##*:}"
+  done
+}
 if ! timeout 60 "$PY" -c "import numpy, pytest, tqdm, yaml, pydantic, pydantic_settings" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     echo "installing carried wheels into /tmp/tc_site: $(ls .whl)"
-    timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/tc_site .whl/*.whl || echo "pip install of .whl failed"
+    # by name from the folder: pip takes each package's wheel for this Python (the folder may
+    # carry binary wheels for several Python versions)
+    timeout 180 "$PY" -m pip install -q --no-index --find-links .whl --no-compile --no-cache-dir --upgrade \
+      --target /tmp/tc_site $(missing) || echo "pip install of .whl failed"
     export PYTHONPATH=/tmp/tc_site${PYTHONPATH:+:$PYTHONPATH}
   else
     echo "missing packages and no .whl/ folder to install from"
