@@ -122,9 +122,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 class Stores:
     """The redis-server and the cache server, started on first use and stopped at the end."""
 
-    def __init__(self, workdir: Path, stack: ExitStack, store_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, workdir: Path, stack: ExitStack, store_bytes: int, value_bytes: int) -> None:
+        """``value_bytes``: one value the engine stores, a chunk's store shard (one KV head's part at TP=1)."""
         self.workdir, self.stack = workdir, stack
-        self.store_bytes, self.chunk_bytes = store_bytes, chunk_bytes
+        self.store_bytes, self.value_bytes = store_bytes, value_bytes
         self.redis_url: str | None = None
         self.server_address: str | None = None
 
@@ -141,7 +142,9 @@ class Stores:
         if self.server_address is None:
             from tests.server.harness import ServerProcess
 
-            value = 2 * self.chunk_bytes + (1 << 20)
+            # the server keeps every value in a slot of max_value_bytes: sized to the engine's values,
+            # else it holds a fraction of the chunks its capacity suggests (and the tier misses)
+            value = self.value_bytes
             proc = ServerProcess(self.workdir / "cache-server", nixl="off", max_value_bytes=value,
                                  max_message_bytes=max(128 << 20, 8 * value),
                                  tiers=[{"name": "cpu", "backend": "cpu", "capacity": self.store_bytes}]).start()
@@ -240,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = len(args.cases) * len(args.prefix_lens) * len(args.concurrency)
     largest = max(sizes.values(), key=lambda s: s.store_bytes)
     with ExitStack() as stack:
-        stores = Stores(work, stack, largest.store_bytes, args.chunk_tokens * bytes_per_token)
+        heads = max(1, int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 1))
+        stores = Stores(work, stack, largest.store_bytes, args.chunk_tokens * bytes_per_token // heads)
         ctx = {"work": work, "model": model, "sizes": sizes, "stores": stores}
         outer = stack.enter_context(common.progress(args, total, "runs", "run", position=0))
         inner = stack.enter_context(common.progress(args, args.prompts, "requests", "req", position=1,

@@ -112,6 +112,7 @@ class ServerBackend(Backend):
         self._results: list[JobResult] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._refused: OrderedDict[bytes, None] = OrderedDict()  # under _lock: see note_refused
+        self._slots_checked = False  # under _lock: see check_slot_fit
         #: What the I/O threads take: parts of jobs, synchronous calls, None to stop.
         self.requests: queue.SimpleQueue[Part | Call | None] = queue.SimpleQueue()
         self._closed = False
@@ -202,6 +203,31 @@ class ServerBackend(Backend):
         out["connected"] = sum(1 for w in self._workers if w.client.connected)
         out["nixl_connections"] = sum(1 for w in self._workers if w.nixl_active)
         return out
+
+    def check_slot_fit(self, max_value_bytes: int) -> None:
+        """Warn once (any thread, at a connect) when the server's slots dwarf this engine's values.
+
+        The server keeps every value in a fixed slot of its ``max_value_bytes``
+        (tiercache/server/slab.py): values of half that or less leave most of each
+        slot empty, so the server holds that many times fewer chunks than its
+        capacity suggests, evicts early, and lookups turn into failed loads.
+        """
+        with self._lock:
+            if self._slots_checked:
+                return
+            self._slots_checked = True
+        value = self.context.chunk_bytes
+        if value > max_value_bytes:
+            logger.warning("server tier %s: this engine's values are %d B, more than %s takes (max_value_bytes "
+                           "%d B): every store and load of this tier will fail", self.context.tier_name, value,
+                           self.settings.address, max_value_bytes)
+        elif 0 < value and 2 * value <= max_value_bytes:
+            logger.warning(
+                "server tier %s: this engine's values are %d B (a chunk, or a chunk's store shard) but %s "
+                "keeps every value in a slot of its max_value_bytes (%d B): it holds about %dx fewer "
+                "chunks than its capacity suggests; give the server a max_value_bytes of about %d B",
+                self.context.tier_name, value, self.settings.address, max_value_bytes,
+                max_value_bytes // value, value)
 
     def note_refused(self, keys: Sequence[bytes]) -> None:
         """These keys' stored copies failed verification: our next store of them overwrites (any thread)."""

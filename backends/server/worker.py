@@ -84,6 +84,8 @@ class WorkerOwner(Protocol):
 
     def note_refused(self, keys: Sequence[bytes]) -> None: ...
 
+    def check_slot_fit(self, max_value_bytes: int) -> None: ...
+
     def take_refused(self, keys: Sequence[bytes]) -> bool: ...
 
 
@@ -173,6 +175,7 @@ class Worker:
             self.backoff = min(self.backoff * 2, backend.settings.backoff_max_s)
             raise
         backend.count("connects")
+        backend.check_slot_fit(welcome.max_value_bytes)
         self.backoff = backend.settings.backoff_min_s
         self.nixl_active = nixl is not None and welcome.nixl
         if backend.settings.data_path == "nixl" and not self.nixl_active:
