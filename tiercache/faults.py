@@ -16,7 +16,8 @@ step.
 
 Reasons (the ``reason`` label): ``load_deadline``, ``store_deadline``,
 ``tier_stalled``, ``backend_exception``, ``connector_exception``,
-``reader_exception``, ``delete_dropped``, ``lookup_timeout``, ``integrity``.
+``reader_exception``, ``delete_dropped``, ``lookup_timeout``, ``integrity``,
+``tier_read_failed``, ``window_block_not_stored``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ CONNECTOR_EXCEPTION = "connector_exception"  # a connector method raised (turned
 READER_EXCEPTION = "reader_exception"  # the P/D reader caught an unexpected exception
 DELETE_DROPPED = "delete_dropped"  # the housekeeping queue was full: deletes dropped
 LOOKUP_TIMEOUT = "lookup_timeout"  # a shared tier did not answer a lookup in time
+TIER_READ_FAILED = "tier_read_failed"  # a load's chunk was not read from its tier (gone since the lookup, refused)
 INTEGRITY = "integrity"  # a tier returned other bytes than this worker wrote (tiercache/tiers/chunk_digests.py)
 WINDOW_BLOCK_NOT_STORED = "window_block_not_stored"  # vLLM allocated a window block a store leaves out (connector/kv_groups.py)
 

@@ -250,6 +250,10 @@ class TierIO:
             for res in results:
                 handed = self._handed[name].pop(res.job_id, None)
                 self._overdue[name].discard(res.job_id)
+                if handed is not None and handed.op == "get" and res.failed_keys:  # else only vLLM's "recovered"
+                    faults.record(faults.TIER_READ_FAILED, f"{len(res.failed_keys)} chunks not read from tier "
+                                  f"{name} (gone since the lookup, e.g. evicted; refused by its checks; or the "
+                                  "request failed): recomputed", where=name, count=len(res.failed_keys))
                 if handed is not None and name in self._digests:
                     res = self._check(name, handed, res)
                 self._settle(name, res)
