@@ -95,6 +95,7 @@ def producer(key: bytes = KEY, limits: ChannelLimits = ChannelLimits()) -> Itera
 def consumer(key: bytes = KEY, trust: ProducerTrust | None = None, timeout_s: float = 2.0) -> tuple[NixlPeerTier, ConsumerKV]:
     cons = ConsumerKV()
     peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=timeout_s, max_blocks=BLOCKS, key=key, trust=trust)
+    assert peer.wait_ready(60)  # the vetter's start is not charged to the first read
     peer.expose_blocks(cons.regions)
     return peer, cons
 

@@ -120,6 +120,7 @@ def producer_and_consumer(in_planes: bool = False):  # type: ignore[no-untyped-d
     server.set_release_key(RELEASE_KEY)  # ... and sends its release key
     stepper = Stepper(server)
     peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, max_blocks=BLOCKS)
+    assert peer.wait_ready(60)  # the vetter's start is not charged to the first read's 2 s
     peer.expose_blocks(cons.regions)
     try:
         yield prod_slab, planes, cons, server, peer, port, stepper
@@ -212,6 +213,7 @@ def peer_mode_pair():
     server.set_release_key(RELEASE_KEY)
     stepper = Stepper(server)
     peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=2.0, error_handling="peer", max_blocks=BLOCKS)
+    assert peer.wait_ready(60)
     peer.expose_blocks(cons.regions)
     yield prod_slab, cons, server, peer, port, stepper
     peer.close()

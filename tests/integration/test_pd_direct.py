@@ -74,6 +74,7 @@ def direct():
     server.set_release_key(RELEASE_KEY)
     stepper = Stepper(server)
     peer = NixlPeerTier(SLOT, FP, rank=0, read_timeout_s=1.5, max_blocks=BLOCKS)
+    assert peer.wait_ready(60)  # the vetter's start is not charged to the first read
     peer.expose_blocks(regions(cons_kv))
     yield prod_kv, cons_kv, server, peer, port, stepper
     peer.close()

@@ -90,6 +90,7 @@ class Consumer:
         layout = KVBlockLayout.from_kv_caches(self.kv, BLOCKS)
         self.peer = NixlPeerTier(layout.slot_bytes(BPC), fp(tp, layout.slot_bytes(BPC)), rank, read_timeout_s=3.0,
                                  max_blocks=BLOCKS)
+        assert self.peer.wait_ready(60)
         self.peer.expose_blocks(BlockRegions.from_layout(layout))
         self.peer.page_heads = page_heads(self.kv, BLOCKS, HEADS, tp, rank, HEADS // tp)
 

@@ -328,6 +328,29 @@ def test_prometheus_metrics(tmp_path: pathlib.Path) -> None:
         proc.kill()
 
 
+def test_a_get_is_counted_before_its_reply_is_sent(tmp_path: pathlib.Path) -> None:
+    """A client may act on a GET's values (and read /metrics) before the server's sending coroutine
+    runs again: the keys are counted when answered. A reader that does not read holds the reply
+    (16 MiB) in the send: the count is already there (before: only after the last byte went out)."""
+    metrics_port = free_port()
+    proc = ServerProcess(tmp_path / "srv", max_value_bytes="1MiB", tiers=cpu_tier("32MiB"),
+                         metrics={"port": metrics_port}).start()
+    try:
+        with ServerClient(proc.address) as c:
+            chunks = values(16, size=1 << 20)
+            c.put(list(chunks), list(chunks.values()))
+            c._stream.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # type: ignore[union-attr]
+            c._begin(p.MsgType.GET, p.Get(list(chunks), [1 << 20] * 16))  # sent, the reply never read
+            want = 'tiercache_server_keys_total{op="get",status="ok"} 16.0'
+            deadline, text = time.monotonic() + 10, ""
+            while want not in text and time.monotonic() < deadline:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+                time.sleep(0.1)
+            assert want in text
+    finally:
+        proc.kill()
+
+
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120, check=False)

@@ -236,6 +236,14 @@ class PeerLinks:
             except Exception:
                 logger.debug("tiercache P/D: removing agent %s failed", link.agent_name, exc_info=True)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the vetting process to have started; whether it has.
+
+        A first handshake waits for it within its own deadline (so a read right after
+        start-up can time out on a loaded machine); callers that must not, wait here first.
+        """
+        return self._vetter.ready(timeout_s)
+
     def close(self) -> None:
         """Close every link's socket and the vetting process (the reader is closing)."""
         for link in self._links.values():

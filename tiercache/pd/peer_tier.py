@@ -183,6 +183,14 @@ class NixlPeerTier:
         """
         return self._log.take()
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until a first read need not start the metadata vetter; whether it need not.
+
+        Never needed for correctness (a read that runs out of time is a miss); tests and
+        tools that time their first read call it after construction.
+        """
+        return self._links.wait_ready(timeout_s)
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=self.read_timeout_s + 5)

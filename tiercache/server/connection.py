@@ -307,10 +307,12 @@ class Connection:
             slab = self.store.slab
             payload = [slab.value(slot, size) for slot, size in zip(ticket.slots, ticket.sizes) if slot >= 0]
             reply = p.GetReply([int(s) for s in ticket.status], ticket.sizes)
+            # counted as answered before the send: the client may act on the values (and read
+            # these metrics) before this coroutine runs again after its last write
+            self._finish_get(ticket.status, sum(ticket.sizes), "tcp")
             await self._reply(p.MsgType.GET, header.request_id, reply, payload)
         finally:
             self.store.end_get(ticket)
-        self._finish_get(ticket.status, sum(ticket.sizes), "tcp")
 
     async def _get_remote(self, header: p.Header, body: p.GetRemote) -> None:
         nixl, peer = self._nixl_path("GET_REMOTE")
