@@ -463,14 +463,18 @@ def test_nixl_server_answers_adversarial_requests_with_typed_replies(
     kinds = KINDS if kind == "any" else (kind,)
     tried = _transfers_tried(nixl_server[0])
 
-    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    # derandomized: the count below must not depend on how many of 25 random requests happen to be
+    # well-formed enough to reach NIXL (random draws let as few as 1 through)
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
     @given(request=adversarial_requests(kinds), metadata=st.binary(min_size=1, max_size=512))
     def check(request: bytes, metadata: bytes) -> None:
         _check_on_nixl_server(nixl_server, request, garbage_hello, metadata)
 
     check()
     if kind in ("get_remote", "put_remote") and not garbage_hello:  # the fuzz reached NIXL itself
-        assert _transfers_tried(nixl_server[0]) - tried >= 3
+        reached = _transfers_tried(nixl_server[0]) - tried
+        print(f"{kind}: {reached} of 25 requests reached NIXL")
+        assert reached >= 3
 
 
 def _mutated(data: bytes, flips: list[tuple[int, int]], cut: int) -> bytes:
