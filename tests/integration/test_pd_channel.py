@@ -43,6 +43,7 @@ from tiercache.pd.peer_tier import (
     PeerSource,
 )
 from tiercache.pd.producer import ProducerEndpoint
+from tiercache.pd.tagged_reads import TaggedReader
 from tiercache.transfer.device import CopySegment
 
 BLOCKS = 16  # the consumer's KV cache: 2 layers of (K/V, blocks, 32 tokens, 2 heads, 16) float32
@@ -259,6 +260,41 @@ def test_read_waits_for_a_copy_still_in_progress(pair, monkeypatch: pytest.Monke
     res = wait_result(peer)
     assert res.ok and cons.holds(prod[1], (4, 5)) and int(prod[1].sum()) == 7 * SLOT
     assert bool(peer._mirrors) == mirror
+
+
+@TAG_READS
+def test_a_copy_that_ends_during_the_data_read_is_read_again(pair, monkeypatch: pytest.MonkeyPatch,
+                                                             mirror: bool) -> None:
+    """The producer's copy into a slot ends, and its tag is set, while our data READ of that slot runs:
+    what we read may be torn. The tags are read before the data and after it, so a chunk is read
+    only once its tag names it. (Tags read only after the data accepted the zeros read mid-copy.)"""
+    tag_reads(monkeypatch, mirror)
+    prod, cons, server, peer, port, _ = pair
+    key = b"t" * 16
+    server.slot_filling([1])  # the copy into slot 1 runs: the slot still holds zeros
+    lock, finished = threading.Lock(), threading.Event()
+
+    def copy_ends() -> None:
+        with lock:
+            if not finished.is_set():
+                prod[1] = 7
+                server.slot_filled([key], [1])
+                finished.set()
+
+    original = TaggedReader._read_descs
+
+    def data_read_then_the_copy_ends(self, link, local, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, link, local, *args, **kwargs)
+        if int(np.asarray(local)[:, 1].max()) > 64 * 8:  # a data READ (tags are 8 bytes each)
+            copy_ends()
+
+    monkeypatch.setattr(TaggedReader, "_read_descs", data_read_then_the_copy_ends)
+    peer.expect({key: chunk(port, 1, "req-t")})
+    peer.submit_blocks(3, [key], into((4, 5)))
+    if not finished.wait(0.3):
+        copy_ends()  # no data was read while the tag was 0: the copy ends now
+    res = wait_result(peer)
+    assert res.ok and cons.holds(prod[1], (4, 5)) and int(prod[1].sum()) == 7 * SLOT
 
 
 @TAG_READS

@@ -1,14 +1,20 @@
-"""A hand-off READ checked by its tags: the P/D consumer's data READ, then the tags guarding it.
+"""A hand-off READ checked by its tags: the P/D consumer reads the tags, the data, the tags again.
 
 :meth:`TaggedReader.read` runs one :class:`tiercache.pd.read_plans.ReadPlan`
-against one producer: one READ of the data, then one READ of the tags
-guarding it (a slot's or a block's tag names the chunk while the producer
-holds it for us, see :mod:`tiercache.pd.channel`). A tag that names the
-chunk: arrived. A tag of 0: the producer's copy into that slot still runs
-(via_host) or its worker has not heard of the hold yet (direct): those chunks
-are read again a moment later, until the deadline. Another chunk's tag: the
-slot or blocks were reused, the chunk is dropped (recomputed, never wrong;
-counted as ``stale_chunks``).
+against one producer. A slot's or a block's tag names the chunk while the
+producer holds it for us (see :mod:`tiercache.pd.channel`); the producer
+clears it before it writes the slot again. So, like a sequence lock: one READ
+of the tags; the data of the chunks they name, in one READ; their tags again.
+Named both times: arrived (the producer did not touch the bytes in between).
+A tag of 0 before: the producer's copy into that slot still runs (via_host)
+or its worker has not heard of the hold yet (direct): those chunks are tried
+again a moment later, until the deadline. Another chunk's tag, or a tag that
+changed during the data READ: the slot or blocks were released and reused,
+the chunk is dropped (recomputed, never wrong; counted as ``stale_chunks``).
+Reading the tags only after the data (as until 2026-11-27) accepted a READ
+that ran while the copy was still writing the slot, when the copy ended and
+its tag was set between the two READs: torn KV for chunks not verified by
+page hashes (CUDA consumers, other TP sizes).
 
 Then the page hashes (mode via_host, chunks the plan verifies): the
 producer's xxh3-64 of each position read (published before its tag named the
@@ -89,44 +95,59 @@ class TaggedReader:
         pending = list(range(len(expected)))
         data_bytes, data_secs = 0, 0.0
         while pending:
-            debug = logger.isEnabledFor(logging.DEBUG)
-            sched = thread_schedstat() if debug else (0, 0)
-            t0 = time.perf_counter()
-            local, remote = plan.descs(pending)
-            t1 = time.perf_counter()
-            self._read_descs(link, local, local_mem, remote, plan.remote_mem, deadline, poll_burst_s)
-            t2 = time.perf_counter()
-            tags = iter(self._read_tags(link, plan.tags_addr, plan.tag_count,
-                                        [t for i in pending for t in plan.tag_index[i]],
-                                        deadline, poll_burst_s))
-            t3 = time.perf_counter()
-            self.counters["data_descs"] += len(local)
-            data_bytes += int(np.asarray(local)[:, 1].sum())
-            data_secs += t2 - t1
-            if debug:
-                cpu, waited = (after - before for after, before in zip(thread_schedstat(), sched))
-                logger.debug("tiercache P/D: %d descriptors: built %.2f ms, data READ %.2f ms (CPU %.2f ms, "
-                             "waiting for the CPU %.2f ms), tags %.2f ms", len(local), (t1 - t0) * 1e3,
-                             (t2 - t1) * 1e3, cpu / 1e6, waited / 1e6, (t3 - t2) * 1e3)
-            again: list[int] = []
-            for i in pending:
-                got = [next(tags) for _ in plan.tag_index[i]]
-                if all(t == expected[i] for t in got):
-                    arrived.append(i)
-                elif any(t not in (0, expected[i]) for t in got):
-                    self.counters["stale_chunks"] += 1  # released and reused: another chunk's now
-                else:
-                    again.append(i)  # a copy into the slot in flight, or a hold not marked yet
+            # tags before the data: only chunks the producer names now are read
+            ready, again = self._sort_by_tags(link, plan, expected, pending, deadline, poll_burst_s)
+            if again and not wait:
+                raise MustWait
+            if ready:
+                debug = logger.isEnabledFor(logging.DEBUG)
+                sched = thread_schedstat() if debug else (0, 0)
+                t0 = time.perf_counter()
+                local, remote = plan.descs(ready)
+                t1 = time.perf_counter()
+                self._read_descs(link, local, local_mem, remote, plan.remote_mem, deadline, poll_burst_s)
+                t2 = time.perf_counter()
+                # ... and after it: a chunk whose tag changed meanwhile was released (its slot or
+                # blocks reused): what we read may be torn, it is dropped
+                kept, changed = self._sort_by_tags(link, plan, expected, ready, deadline, poll_burst_s)
+                t3 = time.perf_counter()
+                arrived += kept
+                self.counters["stale_chunks"] += len(changed)
+                self.counters["data_descs"] += len(local)
+                data_bytes += int(np.asarray(local)[:, 1].sum())
+                data_secs += t2 - t1
+                if debug:
+                    cpu, waited = (after - before for after, before in zip(thread_schedstat(), sched))
+                    logger.debug("tiercache P/D: %d descriptors: built %.2f ms, data READ %.2f ms (CPU %.2f ms, "
+                                 "waiting for the CPU %.2f ms), tags after %.2f ms", len(local), (t1 - t0) * 1e3,
+                                 (t2 - t1) * 1e3, cpu / 1e6, waited / 1e6, (t3 - t2) * 1e3)
             pending = again
             if pending:
-                if not wait:
-                    raise MustWait
                 if time.monotonic() >= deadline:
                     logger.warning("tiercache P/D: %d chunks of %s never became readable (expired?)",
                                    len(pending), link.address)
                     break
                 time.sleep(_TAG_POLL_S)
         return self._verified(link, plan, sorted(arrived), ours, deadline, poll_burst_s), data_bytes, data_secs
+
+    def _sort_by_tags(self, link: PeerLink, plan: ReadPlan, expected: list[int], chunks: list[int],
+                      deadline: float, poll_burst_s: float) -> tuple[list[int], list[int]]:
+        """READ the tags of ``chunks``: (those every tag of which names the chunk, those with a tag of 0:
+        a copy into the slot in flight, or a hold not marked yet). Any other tag: the slot or blocks were
+        released and reused (another chunk's now): dropped, counted as ``stale_chunks``."""
+        tags = iter(self._read_tags(link, plan.tags_addr, plan.tag_count,
+                                    [t for i in chunks for t in plan.tag_index[i]], deadline, poll_burst_s))
+        named: list[int] = []
+        waiting: list[int] = []
+        for i in chunks:
+            got = [next(tags) for _ in plan.tag_index[i]]
+            if all(t == expected[i] for t in got):
+                named.append(i)
+            elif any(t not in (0, expected[i]) for t in got):
+                self.counters["stale_chunks"] += 1
+            else:
+                waiting.append(i)
+        return named, waiting
 
     def _verified(self, link: PeerLink, plan: ReadPlan, arrived: list[int], ours: BlockRegions, deadline: float,
                   poll_burst_s: float) -> list[int]:
