@@ -342,8 +342,9 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if rnd.get("barrier"):
             wait_at_barrier(spec, str(rnd["barrier"]), rounds)
         rounds.append(_run_round(llm, i, rnd, url))
+    total_s = time.perf_counter() - t0  # the rounds', not the shutdown's
     return {"vllm_version": vllm.__version__, "runner_pid": os.getpid(), "engine_start_s": engine_start,
-            "total_s": time.perf_counter() - t0, "rounds": rounds, "connector_shutdown": shut_down_connector(llm, spec)}
+            "total_s": total_s, "rounds": rounds, "connector_shutdown": shut_down_connector(llm, spec)}
 
 
 def shut_down_connector(llm: Any, spec: dict[str, Any]) -> str:
