@@ -13,7 +13,7 @@ from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from tiercache.config.schema import ConfigError, TierCacheConfig
-from tiercache.connector.kv_groups import KVGroup, describe_groups, engine_groups
+from tiercache.connector.kv_groups import KVGroup, block_bytes, describe_groups, engine_groups
 from tiercache.keys import KeySpace, Namespace
 from tiercache.shards import ShardSet, group_shards, head_shards, rank_shards
 
@@ -55,7 +55,7 @@ class EngineGeometry:
             block_size=cache.block_size,
             tp_size=parallel.tensor_parallel_size,
             world_size=parallel.world_size,
-            bytes_per_block=sum(s.page_size_bytes for s in layer_specs),
+            bytes_per_block=block_bytes(kv_cache_config, kv_groups, layer_specs),
             hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
             kv_heads=_global_kv_heads(vllm_config),
             local_kv_heads=int(getattr(layer_specs[0], "num_kv_heads", 1)),

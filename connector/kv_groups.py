@@ -7,8 +7,10 @@ shared pool, and the group that owns it says whose layer's KV it holds. Each
 request has one block table per group; a sliding-window group's table holds
 vLLM's null block wherever its blocks left the window (vLLM freed them).
 
-tiercache serves full-attention and sliding-window groups (:func:`engine_groups`;
-anything else raises :class:`UnsupportedKVGroups`):
+tiercache serves full-attention, sliding-window and state groups (vLLM's
+MambaSpec in "align" mode: Mamba, linear attention, short convolutions) (:func:`engine_groups`;
+anything else raises :class:`UnsupportedKVGroups`, and so do state groups where
+:func:`refuse_unserved_state_layers` says: several ranks, P/D):
 
 * **One chunk covers every group.** A chunk's slot holds ``blocks_per_chunk``
   blocks per group, group ``g``'s at chunk positions ``g * bpc ..`` (its bytes
@@ -28,6 +30,10 @@ anything else raises :class:`UnsupportedKVGroups`):
   blocks inside the window; or a P/D consumer's loaded blocks) does not store
   that chunk: its slot would hold stale bytes where a later hit loads.
   Control: ``faults.store_incomplete_chunks``.
+* **A state group's block is the state at its end**, kept by vLLM only where a
+  step ended there. A chunk key stores none of it; the chunk's *state key*
+  stores the chunk with the state at its end (its last position), and a hit
+  ends at a chunk loaded from its state key (connector/state_chunks.py).
 * **Loads write only the blocks vLLM allocated**: for a window group, vLLM's
   table for the loaded range holds null blocks outside the window; they are
   skipped, so a window group moves at most a window's blocks per hit, not the
@@ -63,6 +69,7 @@ if TYPE_CHECKING:
 
 FULL = "full"
 SLIDING_WINDOW = "sliding_window"
+STATE = "state"  # recurrent state (vLLM's MambaSpec in "align" mode): Mamba, linear attention, short convs
 
 
 class UnsupportedKVGroups(ConfigError):
@@ -86,18 +93,24 @@ def describe_groups(groups: Sequence[KVGroup]) -> str:
 
 
 def engine_groups(kv_cache_config: KVCacheConfig) -> tuple[tuple[KVGroup, ...], list[Any]]:
-    """The groups tiercache will serve, and the layer specs of one group (all groups' pages are alike).
+    """The groups tiercache will serve, and the layer specs of one attention group (all groups' pages
+    are alike).
 
     Raises :class:`UnsupportedKVGroups` naming the group types it cannot serve.
     """
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
     )
 
     groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+    if len(groups) < len(kv_cache_config.kv_cache_groups) and any(
+            type(g.kv_cache_spec).__name__ == "MambaSpec" for g in groups):
+        # vLLM offers a state by its group id (connector/state_chunks.py): ids must be tiercache's indices
+        raise UnsupportedKVGroups("tiercache serves state layers only when every KV-cache group is transferred")
     if not groups:
         raise UnsupportedKVGroups("tiercache: the model has no KV-cache group to transfer")
     kinds: list[KVGroup] = []
@@ -111,6 +124,14 @@ def engine_groups(kv_cache_config: KVCacheConfig) -> tuple[tuple[KVGroup, ...], 
         elif all(isinstance(s, FullAttentionSpec) for s in layer_specs) or (
                 len(groups) == 1 and all(isinstance(s, AttentionSpec) for s in layer_specs)):
             kinds.append(KVGroup(FULL))  # one group of any attention: every block kept, as before
+        elif all(isinstance(s, MambaSpec) for s in layer_specs) and len(groups) > 1:
+            modes = {str(getattr(s, "mamba_cache_mode", "")) for s in layer_specs}
+            if modes != {"align"}:
+                raise UnsupportedKVGroups(
+                    f"tiercache serves state layers (MambaSpec) in vLLM's \"align\" cache mode only (a state "
+                    f"at every block end a step reached); this model's group {len(kinds)} is in mode "
+                    f"{'/'.join(sorted(modes))} (vLLM's prefix caching off?)")
+            kinds.append(KVGroup(STATE))
         else:
             names = sorted({type(s).__name__ for s in layer_specs})
             raise UnsupportedKVGroups(
@@ -123,39 +144,84 @@ def engine_groups(kv_cache_config: KVCacheConfig) -> tuple[tuple[KVGroup, ...], 
         raise UnsupportedKVGroups(
             f"tiercache needs every KV-cache group to hold the same bytes per block (vLLM's shared "
             f"tensors); this model's groups hold {sorted(pages)}")
-    return tuple(kinds), specs_of[0]
+    if all(k.kind == STATE for k in kinds):
+        raise UnsupportedKVGroups("tiercache: the model has state layers only (no attention group)")
+    # an attention group's specs: the dtype and KV heads tiercache's namespace and shards name
+    return tuple(kinds), next(specs for k, specs in zip(kinds, specs_of) if k.kind != STATE)
 
 
-def kept_from(groups: Sequence[KVGroup], chunk: int, end_token: int, bpc: int, block_size: int) -> tuple[int, ...]:
+def block_bytes(kv_cache_config: KVCacheConfig, groups: Sequence[KVGroup], attention_specs: Sequence[Any]) -> int:
+    """The bytes one engine block spans in the worker's KV tensors (what one chunk position holds).
+
+    Attention-only models: one group's pages (vLLM shares each tensor among one layer of every
+    group). With state groups vLLM 0.32 gives each group its own tensors, so the worker's layout
+    covers every layer: the attention pages and each state layer's state (unpadded).
+    """
+    if not any(g.kind == STATE for g in groups):
+        return sum(s.page_size_bytes for s in attention_specs)
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        spec = group.kv_cache_spec
+        shapes = getattr(spec, "shapes", None)
+        if shapes is None:
+            total += spec.page_size_bytes * len(group.layer_names)
+        else:
+            state = sum(_numel(shape) * dtype.itemsize for shape, dtype in zip(shapes, spec.dtypes))
+            total += state * len(group.layer_names)
+    return total
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def kept_from(groups: Sequence[KVGroup], chunk: int, end_token: int, bpc: int, block_size: int,
+              with_state: bool = False) -> tuple[int, ...]:
     """Per group, the first request block of chunk ``chunk`` a store keeps (and a later hit may load).
 
     ``end_token``: the token after the chunk's last stored one (its end, or a prompt tail's).
     Full attention: the chunk's first block. A window group: the block holding token
     ``end_token - window`` (never before the chunk's first block): a hit using the chunk
     ends at token ``L >= end_token - 1`` (vLLM computes the last prompt token itself) and
-    needs the blocks from the one holding ``L - window + 1`` on.
+    needs the blocks from the one holding ``L - window + 1`` on. A state group: its last
+    block (the state at the chunk's end) for a state key (``with_state``), else none.
     """
     start = chunk * bpc
-    return tuple(max(start, (end_token - g.window) // block_size) if g.kind == SLIDING_WINDOW else start
-                 for g in groups)
+    floors = []
+    for g in groups:
+        if g.kind == SLIDING_WINDOW:
+            floors.append(max(start, (end_token - g.window) // block_size))
+        elif g.kind == STATE:
+            floors.append(start + bpc - 1 if with_state else start + bpc)
+        else:
+            floors.append(start)
+    return tuple(floors)
 
 
 def chunk_complete(group_block_ids: Sequence[Sequence[int]], floors: Sequence[int], end: int,
                    null_block: int) -> bool:
     """Every group has an allocated block at every position ``floors[g] .. end - 1``."""
-    return all(len(ids) >= end and null_block not in ids[lo:end] for ids, lo in zip(group_block_ids, floors))
+    return all(lo >= end or (len(ids) >= end and null_block not in ids[lo:end])
+               for ids, lo in zip(group_block_ids, floors))
 
 
 def storable(group_block_ids: Sequence[Sequence[int]], groups: Sequence[KVGroup], extent: Mapping[bytes, tuple[int, int]],
-             bpc: int, block_size: int, null_block: int, incomplete_too: bool = False) -> dict[bytes, tuple[int, ...]]:
+             bpc: int, block_size: int, null_block: int, incomplete_too: bool = False,
+             with_state: bool = False) -> dict[bytes, tuple[int, ...]]:
     """The keys a store may take, each with the first block it keeps per group (:func:`kept_from`).
 
     ``extent``: each key's chunk and end token. A key goes only when every block a
     later hit may load is allocated (``incomplete_too``: regardless; a negative control).
+    ``with_state``: the keys are state keys (their state groups' tables hold the state blocks).
     """
     out: dict[bytes, tuple[int, ...]] = {}
     for key, (chunk, end_token) in extent.items():
-        floors = kept_from(groups, chunk, end_token, bpc, block_size)
+        floors = kept_from(groups, chunk, end_token, bpc, block_size, with_state)
         if incomplete_too or chunk_complete(group_block_ids, floors, -(-end_token // block_size), null_block):
             out[key] = floors
     return out
@@ -191,13 +257,43 @@ def chunk_segments(slot: int, group_block_ids: Sequence[Sequence[int]], chunk: i
 
 
 def load_segments(group_block_ids: Sequence[Sequence[int]], groups: Sequence[KVGroup], chunk: int, lo: int,
-                  hi: int, bpc: int, block_size: int, null_block: int) -> tuple[list[CopySegment], bool]:
+                  hi: int, bpc: int, block_size: int, null_block: int,
+                  with_state: bool = False) -> tuple[list[CopySegment], bool]:
     """A load of blocks ``lo .. hi - 1`` of whole chunk ``chunk``: the segments its store kept, and whether
-    they are every block vLLM allocated there (False: the store left one out; the load must fail)."""
-    floors = kept_from(groups, chunk, (chunk + 1) * bpc * block_size, bpc, block_size)
+    they are every block vLLM needs there (False: the store left one out; the load must fail).
+
+    ``with_state``: the chunk is the hit's last, loaded from its state key; each state group's block
+    at the chunk's end must be allocated (the state vLLM resumes from). A state group's other
+    blocks are never read before the engine writes them, whatever vLLM allocated there."""
+    floors = kept_from(groups, chunk, (chunk + 1) * bpc * block_size, bpc, block_size, with_state)
     kept = chunk_segments(-1, group_block_ids, chunk, lo, hi, bpc, null_block, floors)
-    left_out = any(b != null_block for ids, floor in zip(group_block_ids, floors) for b in ids[lo:min(floor, hi)])
-    return kept, not left_out
+    left_out = any(b != null_block for g, ids, floor in zip(groups, group_block_ids, floors)
+                   if g.kind != STATE for b in ids[lo:min(floor, hi)])
+    state_missing = with_state and any(
+        g.kind == STATE and not (lo <= floor < hi and floor < len(ids) and ids[floor] != null_block)
+        for g, ids, floor in zip(groups, group_block_ids, floors))
+    return kept, not (left_out or state_missing)
+
+
+def refuse_unserved_state_layers(groups: Sequence[KVGroup], model_ranks: int, pd: bool, kv_role: str) -> None:
+    """Raise :class:`UnsupportedKVGroups` for a state-layer model where tiercache does not serve state
+    layers yet: several tensor/pipeline ranks (a state is not cut by KV head like pages), or P/D
+    (a hand-off's last chunk would need its end state)."""
+    if STATE not in {g.kind for g in groups}:
+        return
+    if model_ranks > 1:
+        raise UnsupportedKVGroups(
+            f"tiercache serves state layers (MambaSpec) on one tensor/pipeline rank only; this engine has "
+            f"{model_ranks} (groups: {describe_groups(groups)})")
+    if pd or kv_role != "kv_both":
+        raise UnsupportedKVGroups(
+            f"tiercache does not hand state layers (MambaSpec) over between engines (P/D) yet "
+            f"(kv_role {kv_role}; groups: {describe_groups(groups)})")
+
+
+def state_group_indices(groups: Sequence[KVGroup]) -> tuple[int, ...]:
+    """The indices of the state groups (empty for an attention-only model)."""
+    return tuple(i for i, g in enumerate(groups) if g.kind == STATE)
 
 
 def null_block_id(kv_cache_manager: Any) -> int:

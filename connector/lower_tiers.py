@@ -14,6 +14,7 @@ ConfigError at start-up, naming the tier.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from tiercache.backend import Backend, BackendContext
 from tiercache.config.schema import ConfigError, TierCacheConfig
@@ -119,13 +120,14 @@ def recover_lower_tiers(
 
 
 def ask_shared_tiers(shared: SharedLookup, st: RequestState, token: str, keys: list[bytes], hits: int,
-                     manager: OffloadingManager) -> int | None:
+                     manager: OffloadingManager, any_of: Sequence[bytes] = ()) -> int | None:
     """Scheduler: extend a request's local hit with what the shared tiers hold; None while they are
-    asked (never blocks: tiercache/tiers/shared_lookup.py). Asked once per request."""
+    asked (never blocks: tiercache/tiers/shared_lookup.py). Asked once per request. ``any_of``:
+    keys asked about one by one (a state-layer model's state keys), learned wherever present."""
     if st.shared_asked:
         return hits
     if not shared.asking(token):
-        shared.ask(token, keys[hits:])
+        shared.ask(token, keys[hits:], any_of)
         return None
     answer = shared.answer(token)
     if answer is None:

@@ -23,13 +23,15 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.engine_info import ChunkGeometry
-from tiercache.connector.kv_groups import chunk_segments, load_segments, null_block_id, storable
+from tiercache.connector.kv_groups import load_segments, null_block_id, state_group_indices
 from tiercache.connector.lower_tiers import ask_shared_tiers, lower_tier_specs, make_backends, recover_lower_tiers
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd.roles import GroupBlockIds, SchedulerPD, pd_settings
 from tiercache.connector.pd.scheduler_role import PDScheduler, peer_tier_specs
 from tiercache.connector.scheduler_faults import SchedulerFaults
+from tiercache.connector.scheduler_stores import SchedulerStores
 from tiercache.connector.scheduler_state import JobRecord, RequestState
+from tiercache.connector.state_chunks import state_hit_chunks, state_keys_to_ask
 from tiercache.connector.store_pins import StorePins
 
 from tiercache import faults
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TierCacheScheduler(SchedulerFaults):
+class TierCacheScheduler(SchedulerStores, SchedulerFaults):
     def __init__(
         self,
         config: TierCacheConfig,
@@ -89,6 +91,8 @@ class TierCacheScheduler(SchedulerFaults):
         # takes for async loads only (connector/kv_groups.py): hybrid models load async
         self._by_request = len(geometry.engine.kv_groups) > 1
         self._groups = geometry.engine.kv_groups
+        # state-layer groups (connector/state_chunks.py): a hit ends at a chunk stored with its state
+        self._state_groups = state_group_indices(self._groups)
         self._store_incomplete = config.faults.store_incomplete_chunks  # negative control only
         self._async_loads = config.load_mode == "async" or self._by_request
         self._step_failed_loads: list[str] = []
@@ -137,12 +141,17 @@ class TierCacheScheduler(SchedulerFaults):
             return 0, False
         tail = self.pd.lookup(request, keys)  # a P/D hand-off's prompt tail (connector/prompt_tail.py)
         hits = self.manager.lookup(keys) or 0
-        if self._shared is not None and hits < len(keys):
+        state_keys = state_keys_to_ask(keys, request.num_tokens - 1, self.chunk_tokens, self.keys.state_key) \
+            if self._state_groups else []
+        if self._shared is not None and (hits < len(keys) or state_keys):
             asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
-                                     self.manager)
+                                     self.manager, state_keys)
             if asked is None:
                 return None, False  # vLLM asks again on a later step; the scheduler never waits
             hits = asked
+        if self._state_groups:  # a hit ends where a chunk's end state is stored
+            hits = state_hit_chunks(keys, hits, request.num_tokens - 1, self.chunk_tokens, self.keys.state_key,
+                                    lambda key: bool(self.manager.lookup([key])))
         local_chunks = min(hits, num_computed_tokens // self.chunk_tokens)
         if local_chunks:
             # The engine's own cache serves these: keep our copies warm too, so they
@@ -185,6 +194,9 @@ class TierCacheScheduler(SchedulerFaults):
         first_chunk, last_chunk = start // ct, (end - 1) // ct
         chunk_keys = self.keys.chunk_keys(request.block_hashes)
         keys = tuple(chunk_keys[first_chunk : last_chunk + 1])
+        with_state = bool(self._state_groups)  # the last chunk loads with its end state
+        if with_state:
+            keys = keys[:-1] + (self.keys.state_key(keys[-1]),)
         if last_chunk == len(chunk_keys):
             tail = self.pd.load_tail(request, len(chunk_keys))
             if tail is None:
@@ -196,7 +208,8 @@ class TierCacheScheduler(SchedulerFaults):
         for i, chunk in enumerate(range(first_chunk, last_chunk + 1)):
             lo = max(start, chunk * ct) // bs
             hi = -(-min(end, (chunk + 1) * ct) // bs)  # a partial last block loads whole
-            runs, kept_all = load_segments(tables, self._groups, chunk, lo, hi, bpc, bs, self._null_block)
+            runs, kept_all = load_segments(tables, self._groups, chunk, lo, hi, bpc, bs, self._null_block,
+                                           with_state=with_state and chunk == last_chunk)
             if not (kept_all or chunk == len(chunk_keys) or self._store_incomplete):  # (a tail: not checked)
                 # vLLM allocated a window block before what a store keeps: recomputed, never stale
                 faults.record(faults.WINDOW_BLOCK_NOT_STORED, f"chunk {chunk} of {request.request_id}", where="load")
@@ -239,6 +252,8 @@ class TierCacheScheduler(SchedulerFaults):
                 if job is not None:
                     stores.append(job)
                 self.pd.scheduled(st.request, num_new)
+        if self._state_groups:
+            stores.extend(self._plan_state_stores(scheduler_output))
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
@@ -271,49 +286,6 @@ class TierCacheScheduler(SchedulerFaults):
         self._sync_tier_metrics()
         self.store_pins.sent()
         return meta
-
-    def _plan_store(self, req_id: str, st: RequestState, num_new: int) -> StoreJob | None:
-        request = st.request
-        computed_after = request.num_computed_tokens + num_new
-        limit = len(request.block_hashes) * self.block_size
-        if not self.config.offload_decode_tokens:
-            limit = min(limit, request.num_prompt_tokens)
-        full_chunks = min(computed_after, limit) // self.chunk_tokens
-        first = st.next_store_chunk
-        keys = self.keys.chunk_keys(request.block_hashes, start_chunk=first)[: max(full_chunks - first, 0)]
-        st.next_store_chunk = max(full_chunks, first)
-        tail = None
-        if not st.tail_stored and computed_after >= request.num_prompt_tokens:
-            # P/D producer, via_host: the prompt's partial last chunk goes with its chunks
-            tail = self.pd.store_tail(request)
-            st.tail_stored = True
-        bpc, ct = self.bpc, self.chunk_tokens
-        extent = {key: (first + i, (first + i + 1) * ct) for i, key in enumerate(keys)}  # chunk, end token
-        if tail is not None:  # its blocks, the last partly filled
-            extent[tail.key] = (tail.chunk, tail.chunk * ct + tail.tokens)
-        if not extent:
-            return None
-        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        tables = self._kv_cache_manager.get_block_ids(req_id)  # one block table per KV-cache group
-        # a chunk goes only with every block a later hit may load (connector/kv_groups.py)
-        floors = storable(tables, self._groups, extent, bpc, self.block_size, self._null_block, self._store_incomplete)
-        if len(floors) < len(extent):
-            self._count("incomplete_chunks_skipped", len(extent) - len(floors))
-        plan = self.manager.prepare_store(list(floors)) if floors else None
-        if plan is None:
-            return None
-        if plan.evicted:
-            self.metrics.label(self.metrics.evictions, plan.tier).inc(len(plan.evicted))
-            self._count("evicted_chunks", len(plan.evicted))
-        segments = []
-        for key, slot in zip(plan.keys, plan.slots):
-            c, end = extent[key][0], -(-extent[key][1] // self.block_size)
-            # every group's blocks a later hit may load (a window group's older ones left out)
-            segments.extend(chunk_segments(slot, tables, c, c * bpc, end, bpc, self._null_block, floors[key]))
-        self._count("store_jobs", 1)
-        job = StoreJob(self._new_job_id("store", req_id, plan.keys), req_id, plan.keys, tuple(segments))
-        self.store_pins.hold(job.job_id, job.block_ids())  # connector/store_pins.py
-        return job
 
     def update_connector_output(self, worker_meta: TierCacheWorkerMetadata | None) -> None:
         if worker_meta is None:

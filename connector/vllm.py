@@ -40,7 +40,7 @@ from tiercache.connector import guard
 from tiercache.connector.events import KVEvents
 from tiercache.connector.guard import contained
 from tiercache.connector.inactive import InactiveScheduler, InactiveWorker
-from tiercache.connector.kv_groups import UnsupportedKVGroups
+from tiercache.connector.kv_groups import UnsupportedKVGroups, refuse_unserved_state_layers
 from tiercache.connector.logs import adopt_vllm_logging
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.model_identity import model_identity_fields, scheduler_attention_view
@@ -93,6 +93,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._namespace: WorkerNamespace | None = None
         try:
             engine = EngineGeometry.from_vllm(vllm_config, kv_cache_config)
+            refuse_unserved_state_layers(engine.kv_groups, engine.tp_size * engine.pp_size,
+                                         pd=self.config.pd is not None, kv_role=transfer.kv_role)
         except UnsupportedKVGroups as exc:
             # vLLM must still serve the model: tiercache steps aside (connector/inactive.py)
             logger.warning("tiercache inactive for this engine (vLLM serves it without offloading): %s", exc)

@@ -35,6 +35,9 @@ from dataclasses import asdict, dataclass
 
 NAMESPACE_DIGEST_BYTES = 8
 GROUP_IDX_BYTES = 4
+# The group-index field of a chunk's *state* key (KeySpace.state_key): the chunk with the recurrent
+# state at its end (connector/kv_groups.py); no KV-cache group index comes near it.
+STATE_KEY_GROUP = 0x53544154  # "STAT"
 
 # Hash algorithms whose chained block hashes are equal across processes (with
 # vLLM's fixed default seed). Others are process-random unless PYTHONHASHSEED is set.
@@ -125,6 +128,11 @@ class KeySpace:
             for i in range(start_chunk, num_chunks)
         ]
 
+
+    def state_key(self, chunk_key: bytes) -> bytes:
+        """The key of chunk ``chunk_key`` stored *with* the recurrent state at its end (a state-layer
+        model's chunk a hit may end at; connector/kv_groups.py): the chunk key, another group field."""
+        return chunk_key[:-GROUP_IDX_BYTES] + STATE_KEY_GROUP.to_bytes(GROUP_IDX_BYTES, "big")
 
     def tail_key(self, parent_hash: bytes, first_token: int, tokens: Sequence[int], extra: bytes = b"",
                  group_idx: int = 0) -> bytes:

@@ -70,3 +70,13 @@ def test_failing_tier_is_a_miss_and_forget_drops_the_question() -> None:
     lookup.forget("r2")
     assert not lookup.asking("r2")
     lookup.close()
+
+
+def test_any_of_keys_are_answered_one_by_one_after_the_prefix() -> None:
+    """A state-layer model's state keys: each held one is learned, wherever the prefix ends."""
+    tier = MemoryBackend(HostSlab(8, 64, pin_memory=False))
+    tier.submit_put(1, [k(0), k(10), k(12)], [memoryview(bytearray(8))] * 3)
+    lookup = SharedLookup({"t": tier})
+    lookup.ask("r", [k(0), k(1)], any_of=[k(10), k(11), k(12)])
+    assert wait_answer(lookup, "r") == {"t": [k(0), k(10), k(12)]}
+    lookup.close()

@@ -30,19 +30,21 @@ class SharedLookup:
         self.backends = backends
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="tiercache-lookup")
-        self._pending: dict[str, tuple[float, Sequence[bytes], dict[str, Future[list[bool]]]]] = {}
+        self._pending: dict[str, tuple[float, Sequence[bytes], Sequence[bytes], dict[str, Future[list[bool]]]]] = {}
 
     def asking(self, token: str) -> bool:
         return token in self._pending
 
-    def ask(self, token: str, keys: Sequence[bytes]) -> None:
-        """Start asking every shared tier which of ``keys`` it holds."""
-        futures = {name: self._pool.submit(backend.contains, list(keys)) for name, backend in self.backends.items()}
-        self._pending[token] = (time.monotonic(), tuple(keys), futures)
+    def ask(self, token: str, keys: Sequence[bytes], any_of: Sequence[bytes] = ()) -> None:
+        """Start asking every shared tier which of ``keys`` (and of ``any_of``) it holds."""
+        asked = [*keys, *any_of]
+        futures = {name: self._pool.submit(backend.contains, asked) for name, backend in self.backends.items()}
+        self._pending[token] = (time.monotonic(), tuple(keys), tuple(any_of), futures)
 
     def answer(self, token: str) -> dict[str, list[bytes]] | None:
-        """Per tier, the leading keys it holds; None while some tier is still thinking."""
-        started, keys, futures = self._pending[token]
+        """Per tier, the leading ``keys`` it holds and the ``any_of`` keys it holds; None while some
+        tier is still thinking."""
+        started, keys, any_of, futures = self._pending[token]
         late = time.monotonic() - started > self.timeout_s
         if not late and not all(f.done() for f in futures.values()):
             return None
@@ -64,13 +66,14 @@ class SharedLookup:
                 if not held:
                     break
                 prefix.append(key)
+            prefix.extend(key for key, held in zip(any_of, present[len(keys):]) if held)
             out[name] = prefix
         return out
 
     def forget(self, token: str) -> None:
         entry = self._pending.pop(token, None)
         if entry is not None:
-            for fut in entry[2].values():
+            for fut in entry[3].values():
                 fut.cancel()
 
     def close(self) -> None:
