@@ -13,7 +13,7 @@ from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from tiercache.config.schema import ConfigError, TierCacheConfig
-from tiercache.connector.kv_groups import KVGroup, block_bytes, describe_groups, engine_groups
+from tiercache.connector.kv_groups import STATE, KVGroup, block_bytes, describe_groups, engine_groups
 from tiercache.keys import KeySpace, Namespace
 from tiercache.shards import ShardSet, group_shards, head_shards, rank_shards
 
@@ -57,7 +57,8 @@ class EngineGeometry:
             world_size=parallel.world_size,
             bytes_per_block=block_bytes(kv_cache_config, kv_groups, layer_specs),
             hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
-            kv_heads=_global_kv_heads(vllm_config),
+            # a state-layer model's chunks are rank shards: a recurrent state is cut by channel, not KV head
+            kv_heads=0 if any(g.kind == STATE for g in kv_groups) else _global_kv_heads(vllm_config),
             local_kv_heads=int(getattr(layer_specs[0], "num_kv_heads", 1)),
             pp_size=parallel.pipeline_parallel_size,
             kv_groups=kv_groups,

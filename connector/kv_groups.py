@@ -10,7 +10,7 @@ vLLM's null block wherever its blocks left the window (vLLM freed them).
 tiercache serves full-attention, sliding-window and state groups (vLLM's
 MambaSpec in "align" mode: Mamba, linear attention, short convolutions) (:func:`engine_groups`;
 anything else raises :class:`UnsupportedKVGroups`, and so do state groups where
-:func:`refuse_unserved_state_layers` says: several ranks, P/D):
+:func:`refuse_unserved_state_layers` says: several pipeline stages, P/D):
 
 * **One chunk covers every group.** A chunk's slot holds ``blocks_per_chunk``
   blocks per group, group ``g``'s at chunk positions ``g * bpc ..`` (its bytes
@@ -275,16 +275,16 @@ def load_segments(group_block_ids: Sequence[Sequence[int]], groups: Sequence[KVG
     return kept, not (left_out or state_missing)
 
 
-def refuse_unserved_state_layers(groups: Sequence[KVGroup], model_ranks: int, pd: bool, kv_role: str) -> None:
+def refuse_unserved_state_layers(groups: Sequence[KVGroup], pp_size: int, pd: bool, kv_role: str) -> None:
     """Raise :class:`UnsupportedKVGroups` for a state-layer model where tiercache does not serve state
-    layers yet: several tensor/pipeline ranks (a state is not cut by KV head like pages), or P/D
-    (a hand-off's last chunk would need its end state)."""
+    layers yet: several pipeline stages (not built), or P/D (a hand-off's last chunk would need its
+    end state). Tensor parallelism is served (rank shards: connector/engine_info.py)."""
     if STATE not in {g.kind for g in groups}:
         return
-    if model_ranks > 1:
+    if pp_size > 1:
         raise UnsupportedKVGroups(
-            f"tiercache serves state layers (MambaSpec) on one tensor/pipeline rank only; this engine has "
-            f"{model_ranks} (groups: {describe_groups(groups)})")
+            f"tiercache serves state layers (MambaSpec) with one pipeline stage only; this engine has "
+            f"{pp_size} (groups: {describe_groups(groups)})")
     if pd or kv_role != "kv_both":
         raise UnsupportedKVGroups(
             f"tiercache does not hand state layers (MambaSpec) over between engines (P/D) yet "

@@ -1,9 +1,10 @@
 """A state-layer hybrid (LFM2: short-conv + full attention) on real vLLM engines, through tiercache.
 
 tiercache serves KV-cache groups holding recurrent state (vLLM's MambaSpec in
-"align" mode) on one rank (connector/state_chunks.py): a chunk's attention
-blocks under its chunk key, and, where vLLM offered the state at the chunk's
-end, the chunk with that state under its state key; a hit ends at such a chunk.
+"align" mode; connector/state_chunks.py): a chunk's attention blocks under its
+chunk key, and, where vLLM offered the state at the chunk's end, the chunk with
+that state under its state key; a hit ends at such a chunk. TP=2:
+tests/e2e/test_state_models_tp2.py.
 
 Model: ``lfm2`` (tiercache/testing/model_configs/lfm2.json, random weights from
 tiercache/testing/random_lfm2.py): 4 layers (conv, attention, conv, attention),

@@ -68,10 +68,10 @@ def test_a_model_of_state_layers_only_is_declined() -> None:
         engine_groups(config(mamba(), mamba()))
 
 
-def test_state_layers_are_declined_with_several_ranks_or_p_d() -> None:
-    refuse_unserved_state_layers(GROUPS, 1, pd=False, kv_role="kv_both")  # served
+def test_state_layers_are_declined_with_several_pipeline_stages_or_p_d() -> None:
+    refuse_unserved_state_layers(GROUPS, 1, pd=False, kv_role="kv_both")  # served (at any TP size)
     refuse_unserved_state_layers((KVGroup(FULL),), 2, pd=True, kv_role="kv_producer")  # no state: not ours
-    with pytest.raises(UnsupportedKVGroups, match="one tensor/pipeline rank"):
+    with pytest.raises(UnsupportedKVGroups, match="one pipeline stage"):
         refuse_unserved_state_layers(GROUPS, 2, pd=False, kv_role="kv_both")
     with pytest.raises(UnsupportedKVGroups, match="P/D"):
         refuse_unserved_state_layers(GROUPS, 1, pd=True, kv_role="kv_both")

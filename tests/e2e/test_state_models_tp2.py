@@ -1,0 +1,122 @@
+"""A state-layer hybrid (LFM2) at tensor parallelism 2 through tiercache, over a Redis tier the ranks share.
+
+Each TP rank holds half of the model's KV heads *and* half of each conv layer's
+channels, so a rank's recurrent state is its own: tiercache stores a state-layer
+model's chunks as rank shards (tiercache/shards.py; no head shards: a state is
+not cut by KV head), and engines of other TP sizes do not share them.
+
+Engines (float32, 32-token blocks and chunks, prefill split at every block: the
+oracle of tests/e2e/test_state_models.py), one after another; a TP=2 engine's two
+workers share core 0 (as in tests/e2e/test_tp_shared_tiers.py):
+
+* ``baseline``: TP=2 without tiercache;
+* ``tiercache``: TP=2, a host tier of 16 chunks before a Redis tier (a shared
+  tier: both ranks' shards in one store, found by the scheduler's shared lookup,
+  state keys included): the repeated prompts' hits come from Redis;
+* ``control``: the negative control: the same with rank separation off
+  (``TIERCACHE_TEST_SHARDS_IGNORE_RANK=1``: every rank stores under the plain
+  chunk key, the bug this guards against): both ranks then load one rank's
+  shard, its attention heads and its half of the states, and the tokens change.
+
+Rounds: (0) warm-up; (1) three distinct prompts; (2) the same after
+``reset_prefix_cache()``: the host tier (16 chunks) no longer holds them (every
+chunk is stored twice, with and without its state), so they come from Redis,
+where the ranks' shards meet.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+from tests.integration.redis_servers import RedisServer
+from tiercache.shards import IGNORE_RANK_ENV
+from tiercache.testing.engine_runner import random_prompts, run_engine
+from tiercache.testing.random_llama import make_model_dir
+
+from .conftest import engine_spec
+
+CHUNK = 32
+ENGINE_TIMEOUT_S = 400
+HIT_ROUND = 2
+# a rank's chunk slot: a position per group, each spanning 2 attention layers' 16 KiB pages (one KV head)
+# and 2 conv layers' 1 KiB states (half the channels)
+SLOT_BYTES = 2 * (2 * 16 * 1024 + 2 * 1024)
+HOST_CHUNKS = 16
+BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|0"}
+
+
+def workload() -> list[dict[str, Any]]:
+    prompts = [random_prompts(1, 300 + 50 * i, seed=41 + i)[0] for i in range(3)]
+    return [
+        {"prompts": random_prompts(1, 64, seed=98), "max_tokens": 4, "warmup": True, "sequential": True},
+        {"prompts": prompts, "max_tokens": 16, "sequential": True},
+        {"prompts": prompts, "max_tokens": 16, "reset_prefix_cache_before": True, "sequential": True},
+    ]
+
+
+def spec(model: pathlib.Path, name: str, redis_url: str) -> dict[str, Any]:
+    lower = None if name == "baseline" else [
+        {"name": "redis", "backend": "redis", "capacity": "1GiB",
+         "options": {"url": redis_url, "socket_timeout": 2.0, "connect_timeout": 2.0, "reconnect_max_s": 0.5}}]
+    env = {**BIND, **({IGNORE_RANK_ENV: "1"} if name == "control" else {})}
+    return engine_spec(model, CHUNK, lower, workload(), kv_extra={"host_capacity": HOST_CHUNKS * SLOT_BYTES},
+                       env=env, max_num_batched_tokens=CHUNK, llm_kwargs={"tensor_parallel_size": 2})
+
+
+@pytest.fixture(scope="module")
+def runs(models_root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    model = make_model_dir("lfm2", models_root)
+    tmp = tmp_path_factory.mktemp("state_tp2")
+    redis = RedisServer(tmp / "redis").start()
+    results = {}
+    try:
+        for name in ("baseline", "tiercache", "control"):
+            redis.client().flushall()  # the control must not find the right shards
+            results[name] = run_engine(spec(model, name, redis.url), timeout_s=ENGINE_TIMEOUT_S, workdir=tmp / name)
+            results[name]["log"] = (tmp / name / "engine.log").read_text(errors="replace")
+    finally:
+        redis.stop()
+    return results
+
+
+def outputs(result: dict[str, Any], rnd: int) -> list[list[int]]:
+    return [r["output_token_ids"] for r in result["rounds"][rnd]["requests"]]
+
+
+def cached(result: dict[str, Any], rnd: int) -> list[int]:
+    return [r["num_cached_tokens"] for r in result["rounds"][rnd]["requests"]]
+
+
+def test_tiercache_serves_the_state_model_at_tp2(runs: dict[str, dict[str, Any]]) -> None:
+    for name in ("tiercache", "control"):
+        assert "tiercache inactive" not in runs[name]["log"], name
+
+
+@pytest.mark.parametrize("rnd", [1, HIT_ROUND])
+def test_greedy_output_identical_to_the_engine_without_tiercache(runs: dict[str, dict[str, Any]], rnd: int) -> None:
+    assert outputs(runs["tiercache"], rnd) == outputs(runs["baseline"], rnd)
+
+
+def test_every_prompt_resumes_from_the_shared_tier(runs: dict[str, dict[str, Any]]) -> None:
+    result = runs["tiercache"]
+    lengths = [r["prompt_len"] for r in result["rounds"][HIT_ROUND]["requests"]]
+    assert cached(result, HIT_ROUND) == [(n - 1) // CHUNK * CHUNK for n in lengths]
+    samples = result["rounds"][HIT_ROUND]["tiercache_metrics"]
+    from_redis = sum(v for k, v in samples.items() if k.startswith("tiercache_hit_tokens_total") and 'tier="redis"' in k)
+    total = sum(v for k, v in samples.items() if k.startswith("tiercache_hit_tokens_total"))
+    previous = result["rounds"][HIT_ROUND - 1]["tiercache_metrics"]
+    total -= sum(v for k, v in previous.items() if k.startswith("tiercache_hit_tokens_total"))
+    from_redis -= sum(v for k, v in previous.items() if k.startswith("tiercache_hit_tokens_total") and 'tier="redis"' in k)
+    assert total == sum(cached(result, HIT_ROUND)) and from_redis >= 300 - CHUNK, (total, from_redis)
+
+
+def test_negative_control_ranks_loading_one_shard_change_the_output(runs: dict[str, dict[str, Any]]) -> None:
+    control = runs["control"]
+    assert cached(control, HIT_ROUND) == cached(runs["tiercache"], HIT_ROUND)  # the same hits...
+    assert outputs(control, 1) == outputs(runs["baseline"], 1)
+    changed = sum(a != b for a, b in zip(outputs(control, HIT_ROUND), outputs(runs["baseline"], HIT_ROUND),
+                                         strict=True))
+    assert changed >= 2, changed  # ...of the wrong rank's bytes
