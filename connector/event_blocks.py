@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.keys import split_key
+from tiercache.keys import STATE_KEY_GROUP, split_key
 
 
 @dataclass(slots=True)
@@ -57,7 +57,8 @@ class ChunkBlockTable:
     def record(self, request: Any, keys: Iterable[bytes]) -> int:
         """Note what ``keys`` (full chunks of ``request``) are; a STORED event is expected for each.
 
-        Keys that are no full chunk of the request (a P/D prompt tail) are left out.
+        Keys that are no full chunk of the request (a P/D prompt tail) are left out, and so are
+        state keys (connector/state_chunks.py): their chunk key's events name the same blocks.
         Returns how many keys were recorded.
         """
         keys = list(keys)
@@ -75,7 +76,7 @@ class ChunkBlockTable:
                 continue
             _, last_hash, group = split_key(key)
             end = ends.get(last_hash)
-            if end is None:
+            if end is None or group == STATE_KEY_GROUP:  # a state key: the same blocks as its chunk key's
                 continue
             start = end - bpc
             tokens = request.all_token_ids[start * self.block_size : end * self.block_size]

@@ -138,6 +138,18 @@ def test_a_chunk_never_recorded_or_never_announced_has_no_event(tmp_path: pathli
     assert stored.token_ids == req.all_token_ids[:CHUNK]
 
 
+def test_a_state_key_has_no_event_of_its_own(tmp_path: pathlib.Path) -> None:
+    """A state-layer model's state key (connector/state_chunks.py) holds its chunk key's blocks: their
+    events are the chunk key's; a KV-cache group index "STAT" must never reach vLLM's events."""
+    sched, events = make(tmp_path)
+    req = request("a", list(range(2000, 2000 + CHUNK)))
+    (key,) = sched.keys.chunk_keys(req.block_hashes)
+    events.saw(req)
+    assert events.table.record(req, [sched.keys.state_key(key)]) == 0
+    assert events.translate([ChunkEvent(EventKind.STORED, "cpu", (sched.keys.state_key(key),))]) == []
+    assert events.table.record(req, [key]) == 1
+
+
 def test_with_events_off_nothing_is_recorded_and_the_log_is_drained(tmp_path: pathlib.Path) -> None:
     sched, on = make(tmp_path)
     off = KVEvents(False, on.media, "cpu", BLOCK, CHUNK // BLOCK)
