@@ -76,3 +76,18 @@ def engine_spec(model: pathlib.Path, chunk_tokens: int, lower_tiers: list[dict[s
         "rounds": rounds,
         **spec,
     }
+
+
+def cached(result: dict[str, Any], rnd: int) -> list[int]:
+    """The tokens vLLM counted as cached for each request of round ``rnd`` of an engine runner result."""
+    return [r["num_cached_tokens"] for r in result["rounds"][rnd]["requests"]]
+
+
+def metric_delta(result: dict[str, Any], rnd: int, prefix: str, label: str = "") -> float:
+    """The growth of the tiercache samples named ``prefix*`` (and holding ``label``) during round ``rnd``."""
+    def total(i: int) -> float:
+        samples = result["rounds"][i]["tiercache_metrics"] if i >= 0 else {}
+        return sum(v for k, v in samples.items()
+                   if k.startswith(prefix) and label in k and not k.endswith("_created"))
+
+    return total(rnd) - total(rnd - 1)

@@ -57,7 +57,7 @@ import pytest
 from tiercache.testing.engine_runner import random_prompts, run_engine
 from tiercache.testing.random_llama import make_model_dir
 
-from .conftest import engine_spec
+from .conftest import cached, engine_spec, metric_delta
 
 BLOCK = 32
 CHUNK = 128
@@ -163,18 +163,6 @@ def round_of(runs: dict[str, dict[str, Any]], name: str, rnd: int) -> dict[str, 
     return runs[name]["rounds"][ROUNDS_OF.get(name, range(99)).index(rnd)]
 
 
-def cached(result: dict[str, Any], rnd: int) -> list[int]:
-    return [r["num_cached_tokens"] for r in result["rounds"][rnd]["requests"]]
-
-
-def metric_delta(result: dict[str, Any], rnd: int, prefix: str, label: str = "") -> float:
-    """The growth of the tiercache samples named ``prefix*`` (and holding ``label``) during round ``rnd``."""
-    def total(i: int) -> float:
-        samples = result["rounds"][i]["tiercache_metrics"] if i >= 0 else {}
-        return sum(v for k, v in samples.items()
-                   if k.startswith(prefix) and label in k and not k.endswith("_created"))
-
-    return total(rnd) - total(rnd - 1)
 
 
 def bytes_per_hit_token(result: dict[str, Any], rounds: tuple[int, ...]) -> float:

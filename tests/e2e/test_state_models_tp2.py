@@ -36,7 +36,7 @@ from tiercache.shards import IGNORE_RANK_ENV
 from tiercache.testing.engine_runner import random_prompts, run_engine
 from tiercache.testing.random_llama import make_model_dir
 
-from .conftest import engine_spec
+from .conftest import cached, engine_spec, metric_delta
 
 CHUNK = 32
 ENGINE_TIMEOUT_S = 400
@@ -86,9 +86,6 @@ def outputs(result: dict[str, Any], rnd: int) -> list[list[int]]:
     return [r["output_token_ids"] for r in result["rounds"][rnd]["requests"]]
 
 
-def cached(result: dict[str, Any], rnd: int) -> list[int]:
-    return [r["num_cached_tokens"] for r in result["rounds"][rnd]["requests"]]
-
 
 def test_tiercache_serves_the_state_model_at_tp2(runs: dict[str, dict[str, Any]]) -> None:
     for name in ("tiercache", "control"):
@@ -104,12 +101,8 @@ def test_every_prompt_resumes_from_the_shared_tier(runs: dict[str, dict[str, Any
     result = runs["tiercache"]
     lengths = [r["prompt_len"] for r in result["rounds"][HIT_ROUND]["requests"]]
     assert cached(result, HIT_ROUND) == [(n - 1) // CHUNK * CHUNK for n in lengths]
-    samples = result["rounds"][HIT_ROUND]["tiercache_metrics"]
-    from_redis = sum(v for k, v in samples.items() if k.startswith("tiercache_hit_tokens_total") and 'tier="redis"' in k)
-    total = sum(v for k, v in samples.items() if k.startswith("tiercache_hit_tokens_total"))
-    previous = result["rounds"][HIT_ROUND - 1]["tiercache_metrics"]
-    total -= sum(v for k, v in previous.items() if k.startswith("tiercache_hit_tokens_total"))
-    from_redis -= sum(v for k, v in previous.items() if k.startswith("tiercache_hit_tokens_total") and 'tier="redis"' in k)
+    from_redis = metric_delta(result, HIT_ROUND, "tiercache_hit_tokens_total", 'tier="redis"')
+    total = metric_delta(result, HIT_ROUND, "tiercache_hit_tokens_total")
     assert total == sum(cached(result, HIT_ROUND)) and from_redis >= 300 - CHUNK, (total, from_redis)
 
 
