@@ -216,6 +216,9 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
                 self._step_failed_loads.append(request.request_id)
             if i >= len(plan.keys):
                 # No host slot could be freed to stage this chunk: a failed load, recomputed.
+                if i == len(plan.keys):  # once per load
+                    faults.record(faults.STAGING_NO_SLOT, f"{len(keys) - i} of {len(keys)} chunks of "
+                                  f"{request.request_id}: recomputed", where="load")
                 if self._by_request:
                     self._step_failed_loads.append(request.request_id)
                 else:

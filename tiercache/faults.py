@@ -42,6 +42,9 @@ LOOKUP_TIMEOUT = "lookup_timeout"  # a shared tier did not answer a lookup in ti
 TIER_READ_FAILED = "tier_read_failed"  # a load's chunk was not read from its tier (gone since the lookup, refused)
 INTEGRITY = "integrity"  # a tier returned other bytes than this worker wrote (tiercache/tiers/chunk_digests.py)
 WINDOW_BLOCK_NOT_STORED = "window_block_not_stored"  # vLLM allocated a window block a store leaves out (connector/kv_groups.py)
+# a load's chunk found no host slot to be staged through (all pinned, e.g. by write-through copies still
+# under way): that part of the load fails and vLLM recomputes it
+STAGING_NO_SLOT = "staging_no_slot"
 
 
 @dataclass

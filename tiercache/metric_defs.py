@@ -70,7 +70,7 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
               "Faults tiercache contained (each a miss or a recompute, never an error in vLLM), by reason: "
               "load_deadline, store_deadline, tier_stalled, backend_exception, connector_exception, "
               "reader_exception, delete_dropped, lookup_timeout, integrity, tier_read_failed, "
-              "window_block_not_stored (tiercache/faults.py).",
+              "window_block_not_stored, staging_no_slot (tiercache/faults.py).",
               ("reason",)),
 )
 
