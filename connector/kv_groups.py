@@ -57,6 +57,8 @@ Pure functions of vLLM's configs and block tables; scheduler thread only.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -168,16 +170,9 @@ def block_bytes(kv_cache_config: KVCacheConfig, groups: Sequence[KVGroup], atten
         if shapes is None:
             total += spec.page_size_bytes * len(group.layer_names)
         else:
-            state = sum(_numel(shape) * dtype.itemsize for shape, dtype in zip(shapes, spec.dtypes))
+            state = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, spec.dtypes))
             total += state * len(group.layer_names)
     return total
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def kept_from(groups: Sequence[KVGroup], chunk: int, end_token: int, bpc: int, block_size: int,

@@ -127,10 +127,13 @@ class SchedulerStores:
     def _plan_state_stores(self, scheduler_output: SchedulerOutput) -> list[StoreJob]:
         """Store jobs for the chunks whose end state vLLM offered this step, under their state keys
         (connector/state_chunks.py): the chunk's attention blocks and the offered state blocks."""
-        limits = {req_id: self._store_limit(st.request) for req_id, st in self._reqs.items()}
+        def limit(req_id: str) -> int | None:  # only for the requests with offers, not every request
+            st = self._reqs.get(req_id)
+            return None if st is None else self._store_limit(st.request)
+
         jobs: list[StoreJob] = []
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        for req_id, offered in state_offers(scheduler_output, self.chunk_tokens, self._state_groups, limits).items():
+        for req_id, offered in state_offers(scheduler_output, self.chunk_tokens, self._state_groups, limit).items():
             chunk_keys = self.keys.chunk_keys(self._reqs[req_id].request.block_hashes)
             tables = self._kv_cache_manager.get_block_ids(req_id)
             chunks: StoreChunks = {}

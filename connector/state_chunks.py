@@ -57,16 +57,16 @@ def state_keys_to_ask(keys: Sequence[bytes], max_tokens: int, chunk_tokens: int,
 
 
 def state_offers(scheduler_output: Any, chunk_tokens: int, state_groups: Iterable[int],
-                 limit_tokens: Mapping[str, int]) -> StateOffers:
+                 limit_tokens: Callable[[str], int | None]) -> StateOffers:
     """This step's offered states at chunk ends, per request and chunk, where every state group offered
-    one (``state_groups``: vLLM's group ids). ``limit_tokens``: per request tiercache stores, the
-    tokens a store may cover (its prompt unless decode tokens are offloaded); others are left out."""
+    one (``state_groups``: vLLM's group ids). ``limit_tokens``: for a request tiercache stores, the
+    tokens a store may cover (its prompt unless decode tokens are offloaded); None: left out."""
     block_state = getattr(scheduler_output, "kv_connector_block_state", None)
     offered = getattr(block_state, "boundary_state_offloads", None) or {}
     wanted = frozenset(state_groups)
     out: StateOffers = {}
     for req_id, entries in offered.items():
-        limit = limit_tokens.get(req_id)
+        limit = limit_tokens(req_id)
         if limit is None:
             continue
         chunks: dict[int, dict[int, int]] = {}

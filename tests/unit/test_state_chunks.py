@@ -126,11 +126,11 @@ def offers(entries: dict[str, list[tuple[int, int, int]]]) -> SimpleNamespace:
 
 def test_offers_become_chunk_states_only_at_chunk_ends_within_the_stored_tokens() -> None:
     out = state_offers(offers({"r": [(0, 9, 64), (0, 10, 96), (0, 11, 100), (0, 12, 256)],
-                               "gone": [(0, 13, 64)]}), 32, (0,), {"r": 200})
+                               "gone": [(0, 13, 64)]}), 32, (0,), {"r": 200}.get)
     assert out == {"r": {1: {0: 9}, 2: {0: 10}}}  # 100: no chunk end; 256: past the limit; "gone": unknown
-    two = state_offers(offers({"r": [(0, 9, 64), (2, 19, 64), (0, 10, 96)]}), 32, (0, 2), {"r": 200})
+    two = state_offers(offers({"r": [(0, 9, 64), (2, 19, 64), (0, 10, 96)]}), 32, (0, 2), {"r": 200}.get)
     assert two == {"r": {1: {0: 9, 2: 19}}}  # chunk 2 lacks group 2's state: not offered whole
-    assert state_offers(SimpleNamespace(), 32, (0,), {"r": 200}) == {}  # an older vLLM: no offers
+    assert state_offers(SimpleNamespace(), 32, (0,), {"r": 200}.get) == {}  # an older vLLM: no offers
 
 
 def test_the_offered_block_replaces_the_state_tables_entry_in_a_copy() -> None:
