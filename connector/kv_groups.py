@@ -9,8 +9,8 @@ vLLM's null block wherever its blocks left the window (vLLM freed them).
 
 tiercache serves full-attention, sliding-window and state groups (vLLM's
 MambaSpec in "align" mode: Mamba, linear attention, short convolutions) (:func:`engine_groups`;
-anything else raises :class:`UnsupportedKVGroups`, and so do state groups where
-:func:`refuse_unserved_state_layers` says: several pipeline stages, P/D):
+anything else raises :class:`UnsupportedKVGroups`, and so do state groups with
+several pipeline stages: :func:`refuse_unserved_state_layers`):
 
 * **One chunk covers every group.** A chunk's slot holds ``blocks_per_chunk``
   blocks per group, group ``g``'s at chunk positions ``g * bpc ..`` (its bytes
@@ -270,20 +270,14 @@ def load_segments(group_block_ids: Sequence[Sequence[int]], groups: Sequence[KVG
     return kept, not (left_out or state_missing)
 
 
-def refuse_unserved_state_layers(groups: Sequence[KVGroup], pp_size: int, pd: bool, kv_role: str) -> None:
+def refuse_unserved_state_layers(groups: Sequence[KVGroup], pp_size: int) -> None:
     """Raise :class:`UnsupportedKVGroups` for a state-layer model where tiercache does not serve state
-    layers yet: several pipeline stages (not built), or P/D (a hand-off's last chunk would need its
-    end state). Tensor parallelism is served (rank shards: connector/engine_info.py)."""
-    if STATE not in {g.kind for g in groups}:
-        return
-    if pp_size > 1:
+    layers yet: several pipeline stages (not built). Tensor parallelism is served (rank shards:
+    connector/engine_info.py), and so is P/D (connector/pd/state_handoff.py)."""
+    if STATE in {g.kind for g in groups} and pp_size > 1:
         raise UnsupportedKVGroups(
             f"tiercache serves state layers (MambaSpec) with one pipeline stage only; this engine has "
             f"{pp_size} (groups: {describe_groups(groups)})")
-    if pd or kv_role != "kv_both":
-        raise UnsupportedKVGroups(
-            f"tiercache does not hand state layers (MambaSpec) over between engines (P/D) yet "
-            f"(kv_role {kv_role}; groups: {describe_groups(groups)})")
 
 
 def state_group_indices(groups: Sequence[KVGroup]) -> tuple[int, ...]:

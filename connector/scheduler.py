@@ -74,7 +74,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         # P/D's role (tiercache.connector.pd.roles): a null object when P/D is off
         self.pd: SchedulerPD = SchedulerPD() if pd is None else PDScheduler(
             pd, kv_role, self.keys, self.manager, geometry.chunk_tokens, engine_id, geometry.engine.tp_size,
-            geometry.blocks_per_chunk, self.metrics)
+            geometry.blocks_per_chunk, self.metrics, state_group_indices(geometry.engine.kv_groups))
         self._step_deletes: dict[str, list[bytes]] = {}
         for tier_name, extra in recover_lower_tiers(config, geometry, self.keys.digest, self.manager).items():
             self._step_deletes.setdefault(tier_name, []).extend(extra)
@@ -248,6 +248,9 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheConnectorMetadata:
         self.store_pins.withdraw_unsent(self._jobs, self._finish_job)  # from a step that raised
         stores: list[StoreJob] = []
+        offers = self._state_offers(scheduler_output) if self._state_groups else {}
+        if offers:  # before scheduled(): a P/D producer's hand-off may end at one (connector/pd/state_handoff.py)
+            self.pd.states_offered(offers, lambda rid: st.request if (st := self._reqs.get(rid)) else None)
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is not None and num_new > 0:
@@ -255,8 +258,8 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
                 if job is not None:
                     stores.append(job)
                 self.pd.scheduled(st.request, num_new)
-        if self._state_groups:
-            stores.extend(self._plan_state_stores(scheduler_output))
+        if offers:
+            stores.extend(self._plan_state_stores(offers))
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.kv_groups import KVGroup, chunk_segments, storable
 from tiercache.connector.scheduler_state import RequestState
-from tiercache.connector.state_chunks import state_offers, with_state_blocks
+from tiercache.connector.state_chunks import StateOffers, state_offers, with_state_blocks
 from tiercache.connector.store_pins import StorePins
 
 from tiercache.config.schema import TierCacheConfig
@@ -124,16 +124,20 @@ class SchedulerStores:
         # prefill-computed KV, and this model class is sensitive to it: connector/state_chunks.py).
         return min(limit, request.num_prompt_tokens)
 
-    def _plan_state_stores(self, scheduler_output: SchedulerOutput) -> list[StoreJob]:
-        """Store jobs for the chunks whose end state vLLM offered this step, under their state keys
-        (connector/state_chunks.py): the chunk's attention blocks and the offered state blocks."""
+    def _state_offers(self, scheduler_output: SchedulerOutput) -> StateOffers:
+        """This step's offered states at chunk ends of the requests tiercache stores (state_chunks.py)."""
         def limit(req_id: str) -> int | None:  # only for the requests with offers, not every request
             st = self._reqs.get(req_id)
             return None if st is None else self._store_limit(st.request)
 
+        return state_offers(scheduler_output, self.chunk_tokens, self._state_groups, limit)
+
+    def _plan_state_stores(self, offers: StateOffers) -> list[StoreJob]:
+        """Store jobs for the chunks whose end state vLLM offered this step (:meth:`_state_offers`), under
+        their state keys (connector/state_chunks.py): the chunk's attention blocks and the offered state blocks."""
         jobs: list[StoreJob] = []
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        for req_id, offered in state_offers(scheduler_output, self.chunk_tokens, self._state_groups, limit).items():
+        for req_id, offered in offers.items():
             chunk_keys = self.keys.chunk_keys(self._reqs[req_id].request.block_hashes)
             tables = self._kv_cache_manager.get_block_ids(req_id)
             chunks: StoreChunks = {}

@@ -12,9 +12,9 @@ keeps two things per chunk (connector/kv_groups.py):
 * where vLLM offered the state at the chunk's end, the chunk **with** that state
   under its *state key* (:meth:`tiercache.keys.KeySpace.state_key`).
 
-A hit is as long as the longest run of chunk keys present *and* ends at a chunk
-whose state key is present (:func:`state_hit_chunks`); its last chunk loads from
-the state key, the others from their chunk keys. So a hit ends only where a
+A hit ends at a chunk whose state key is present, after a run of chunk keys
+present (:func:`state_hit_chunks`); its last chunk loads from the state key, the
+others from their chunk keys. So a hit ends only where a
 state was offered at a chunk's end: with ``chunk_tokens`` equal to vLLM's block
 size every offered state is one; with larger chunks only steps that ended on a
 chunk's end give one (fewer hits, never wrong ones).
@@ -41,9 +41,14 @@ StateOffers = dict[str, dict[int, dict[int, int]]]
 
 def state_hit_chunks(keys: Sequence[bytes], hits: int, max_tokens: int, chunk_tokens: int,
                      state_key: Callable[[bytes], bytes], present: Callable[[bytes], bool]) -> int:
-    """How many chunks a state-layer model's hit spans: the last of the ``hits`` leading chunks,
-    ending at most at token ``max_tokens``, whose state key is ``present``; 0 if none is."""
-    last = min(hits, len(keys), max_tokens // chunk_tokens)
+    """How many chunks a state-layer model's hit spans: ``n`` chunks ending at most at token
+    ``max_tokens``, the largest whose chunk ``n - 1``'s state key is ``present``, given that the
+    ``hits`` leading chunk keys are (0 if none is).
+
+    The last chunk loads from its state key alone (it holds the chunk's attention blocks too), so
+    its chunk key need not be present: a P/D hand-off of a state-layer model names the chunk keys
+    before it and its state key only (connector/pd/state_handoff.py)."""
+    last = min(hits + 1, len(keys), max_tokens // chunk_tokens)
     for n in range(last, 0, -1):
         if present(state_key(keys[n - 1])):
             return n

@@ -93,8 +93,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._namespace: WorkerNamespace | None = None
         try:
             engine = EngineGeometry.from_vllm(vllm_config, kv_cache_config)
-            refuse_unserved_state_layers(engine.kv_groups, engine.pp_size, pd=self.config.pd is not None,
-                                         kv_role=transfer.kv_role)
+            refuse_unserved_state_layers(engine.kv_groups, engine.pp_size)
         except UnsupportedKVGroups as exc:
             # vLLM must still serve the model: tiercache steps aside (connector/inactive.py)
             logger.warning("tiercache inactive for this engine (vLLM serves it without offloading): %s", exc)

@@ -10,7 +10,9 @@ prepare_load then treat the producer like any lower tier; :meth:`PeerOffers.read
 puts into each load chunk which producer memory holds it. After the load the
 knowledge is dropped (the producer releases the chunks); a failed load is
 recomputed. The prompt's tail (connector/prompt_tail.py) is loaded when this
-engine's own tokens give the producer's tail key (:meth:`PeerOffers.tail_key`).
+engine's own tokens give the producer's tail key (:meth:`PeerOffers.tail_key`);
+a state-layer model's hand-off ends with a state key (connector/pd/state_handoff.py),
+offered only when it is the state key of this engine's own chunk there.
 
 Trust: a hand-off whose producer this consumer does not trust
 (:class:`tiercache.pd.trust.ProducerTrust`: ``pd.trusted_producers``,
@@ -108,6 +110,12 @@ class PeerOffers:
         if tuple(keys[:len(full)]) != full:
             logger.error("tiercache P/D: request %s: the producer's chunk keys do not match this "
                          "prompt (different tokens?); recomputing", request.request_id)
+            self.counters["handoffs_refused"] += 1
+            return
+        state_key = handoff.state_key  # a state-layer model's: the next chunk with its end state
+        if state_key is not None and (len(keys) <= len(full) or state_key != self.keys.state_key(keys[len(full)])):
+            logger.error("tiercache P/D: request %s: the producer's state key does not match this prompt's "
+                         "chunk %d; recomputing", request.request_id, len(full))
             self.counters["handoffs_refused"] += 1
             return
         offered = list(handoff.keys)

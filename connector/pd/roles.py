@@ -12,8 +12,8 @@ and :class:`tiercache.connector.pd.worker_role.PDWorker`.
 Scheduler hooks, in the order of a request's life: :meth:`SchedulerPD.lookup`
 (before the manager's lookup), :meth:`~SchedulerPD.load_tail` and
 :meth:`~SchedulerPD.reader_source` and :meth:`~SchedulerPD.keeps` (while planning a load, in
-``update_state_after_alloc``: where each chunk is, whether the load is stored again), :meth:`~SchedulerPD.store_tail` and
-:meth:`~SchedulerPD.scheduled` (while planning the step's stores),
+``update_state_after_alloc``: where each chunk is, whether the load is stored again), :meth:`~SchedulerPD.store_tail`,
+:meth:`~SchedulerPD.states_offered` and :meth:`~SchedulerPD.scheduled` (while planning the step's stores),
 :meth:`~SchedulerPD.step_meta` (the step's ``pd`` field),
 :meth:`~SchedulerPD.report` and :meth:`~SchedulerPD.load_finished` (worker
 reports), :meth:`~SchedulerPD.finished` (vLLM's ``request_finished``).
@@ -31,12 +31,13 @@ worker's main thread, like the halves that hold them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.pd.step import PDStepMeta, PDWorkerReport
 from tiercache.connector.prompt_tail import PromptTail
+from tiercache.connector.state_chunks import StateOffers
 
 from tiercache.backend import JobResult
 from tiercache.config.schema import PDConfig
@@ -97,6 +98,10 @@ class SchedulerPD:
 
     def scheduled(self, request: Request, num_new: int) -> None:
         """A request gets ``num_new`` tokens computed this step."""
+
+    def states_offered(self, offers: StateOffers, request_of: Callable[[str], Request | None]) -> None:
+        """A state-layer model's states vLLM offered this step, before :meth:`scheduled`
+        (connector/state_chunks.py; mode direct pins a hand-off's: connector/pd/state_handoff.py)."""
 
     def preempted(self, request_id: str) -> None:
         """Its blocks go back to vLLM."""

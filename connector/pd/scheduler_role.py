@@ -23,13 +23,10 @@ scheduler-side P/D role (tiercache.connector.pd.roles: the hooks).
   ``pd.handoff_timeout_s`` (expired; counted): via_host chunks then stay as
   ordinary, evictable cache; direct blocks are unpinned once every worker
   (TP rank) reported their tags cleared (:meth:`PDScheduler.blocks_released`).
-  Reads need no producer step (UCX error handling ``none``: one-sided
-  transports; handshakes are answered by the side-channel thread), so an idle
-  producer stops stepping and hears of reads and expiries at its next step.
-  :meth:`PDScheduler.has_pending` (vLLM's ``has_pending_push_work``) keeps it
-  stepping only to deliver marks and releases to the worker, and, with
-  ``nixl_error_handling: peer`` (tcp), while anything is held, so that its
-  progress thread runs.
+  Reads need no producer step (one-sided transports, handshakes answered by
+  the side-channel thread): :meth:`PDScheduler.has_pending` keeps an idle
+  producer stepping only to deliver marks and releases, and, with
+  ``nixl_error_handling: peer`` (tcp), while anything is held.
 * **Consumer** (kv_role ``kv_consumer``, or ``kv_both`` with ``pd``): the
   hand-offs its requests bring are checked and offered to the manager as the
   read-only ``peer`` tier (tiercache.connector.pd.consumer).
@@ -38,15 +35,16 @@ scheduler-side P/D role (tiercache.connector.pd.roles: the hooks).
   (via_host, :meth:`PDScheduler.tail_to_store`) or holds its blocks (direct);
   the consumer loads it when its own tokens give the same key
   (:meth:`PDScheduler.tail_key`), so its engine computes only the prompt's last
-  token. A via_host tail is dropped from the host tier when its hold ends
-  (nothing but a hand-off ever looks it up).
+  token. A via_host tail is dropped from the host tier when its hold ends.
+* **State-layer models** hand off up to a chunk's end state, no tail
+  (connector/pd/state_handoff.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.block_pins import BlockPins, VllmBlockPins
@@ -55,8 +53,11 @@ from tiercache.connector.pd.consumer import PeerOffers
 from tiercache.connector.pd.direct_blocks import NO_BLOCK, key_blocks
 from tiercache.connector.pd.holds import Hold, Pinned, take_reported
 from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, GroupBlockIds, SchedulerPD
+from tiercache.connector.pd.state_handoff import (OfferedStates, direct_state_hold, handed_off_prompt,
+                                                  via_host_state_keys)
 from tiercache.connector.pd.step import DirectHold, PDStepMeta, PDWorkerReport
 from tiercache.connector.prompt_tail import PromptTail, prompt_tail
+from tiercache.connector.state_chunks import StateOffers
 
 from tiercache.config.schema import PDConfig
 from tiercache.jobs import FromReader, LoadChunk
@@ -88,8 +89,11 @@ class PDScheduler(SchedulerPD):
 
     def __init__(self, settings: PDConfig, kv_role: str, keys: KeySpace, manager: OffloadingManager,
                  chunk_tokens: int, engine_id: str, tp_size: int, blocks_per_chunk: int = 1,
-                 metrics: TierCacheMetrics | None = None) -> None:
+                 metrics: TierCacheMetrics | None = None, state_groups: tuple[int, ...] = ()) -> None:
         self.settings = settings
+        # a state-layer model's groups: a hand-off ends at a chunk's state (connector/pd/state_handoff.py)
+        self.state_groups = state_groups
+        self._offered: OfferedStates | None = None  # mode direct: offered states, pinned (bind_pins)
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = blocks_per_chunk
         self.block_size = chunk_tokens // blocks_per_chunk
@@ -161,6 +165,10 @@ class PDScheduler(SchedulerPD):
             assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
             self.mark_prefill(request, self._kv_cache_manager.get_block_ids(request.request_id))
 
+    def states_offered(self, offers: StateOffers, request_of: Callable[[str], Request | None]) -> None:
+        if self._offered is not None:
+            self._offered.offered(offers, lambda rid: handed_off_prompt(request_of(rid)))
+
     def step_meta(self) -> PDStepMeta:
         self.expire()
         self._publish()
@@ -198,9 +206,10 @@ class PDScheduler(SchedulerPD):
         self.metrics.label(self.metrics.pd_held_chunks).set(self.held_chunks)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------ producer
-
     def bind_pins(self, pins: BlockPins) -> None:
         self.pins = pins
+        if self.state_groups:
+            self._offered = OfferedStates(pins, self.chunk_tokens)
 
     @property
     def pinned_blocks(self) -> int:
@@ -223,15 +232,16 @@ class PDScheduler(SchedulerPD):
         return self.settings.nixl_error_handling == "peer" and bool(self._holds)
 
     def _direct_hold(self, request: Request, tables: GroupBlockIds) -> DirectHold | None:
-        """The prompt's full chunks and tail, and their blocks (None: not a mode-direct hand-off).
-
-        ``tables``: the request's blocks per KV-cache group; a key names every group's
-        (connector/pd/direct_blocks.py).
-        """
+        """The prompt's full chunks and tail, and their blocks (None: not a mode-direct hand-off);
+        ``tables``: the request's blocks per group, each key names every group's (direct_blocks.py)."""
         params = request.kv_transfer_params or {}
         if not (self.marks_prefills and params.get("do_remote_decode")):
             return None
         keys = self.keys.chunk_keys(request.block_hashes)
+        if self.state_groups:  # up to the offered state it resumes from, no tail
+            state = self._offered.get(request.request_id) if self._offered is not None else None
+            return direct_state_hold(keys, tables, state, self.blocks_per_chunk, self.state_groups,
+                                     self._null_block, self.keys.state_key)
         whole = request.num_prompt_tokens // self.chunk_tokens
         tail = self._tail(request) if len(keys) >= whole else None
         blocks, with_tail = key_blocks(tables, min(whole, len(keys)), self.blocks_per_chunk,
@@ -249,7 +259,7 @@ class PDScheduler(SchedulerPD):
         params = request.kv_transfer_params or {}
         if not (self.is_producer and self.settings.mode == "via_host" and params.get("do_remote_decode")):
             return None
-        return self._tail(request)
+        return None if self.state_groups else self._tail(request)  # a state model's: no state there
 
     def mark_prefill(self, request: Request, tables: GroupBlockIds) -> None:
         """Mode direct: this step's forward pass completes the prompt; the worker marks its blocks after it."""
@@ -262,11 +272,12 @@ class PDScheduler(SchedulerPD):
 
     def preempted(self, request_id: str) -> None:
         """Its blocks go back to vLLM: clear their marks before anything overwrites them."""
+        if self._offered is not None:
+            self._offered.drop(request_id)  # recomputed: vLLM offers its states again
         if self._marked.pop(request_id, None) is not None:
             self._new_direct.pop(request_id, None)
             self._unmark_direct.append(request_id)
 
-    # ------------------------------------------------------------------ producer
     def request_finished(self, request: Request, tables: GroupBlockIds | None = None
                          ) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks?, hand-off params) for a finished request; ``tables``: its blocks per group."""
@@ -297,10 +308,15 @@ class PDScheduler(SchedulerPD):
                 pinned = [b for b in where if b != NO_BLOCK]
                 self.pins.pin(pinned)
                 self._pinned[rid] = Pinned(pinned, deadline)
+            if self._offered is not None:
+                self._offered.drop(rid)  # the hold's pins keep the state block now
         else:
             prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
             keys = self.keys.chunk_keys(request.block_hashes)[:prompt_chunks]
-            tail = self._tail(request) if len(keys) == prompt_chunks else None
+            tail = self._tail(request) if len(keys) == prompt_chunks and not self.state_groups else None
+            if self.state_groups:  # up to a chunk whose state is stored (connector/pd/state_handoff.py)
+                keys = via_host_state_keys(keys, request.num_prompt_tokens, self.chunk_tokens,
+                                           self.manager.host, self.keys.state_key)
             held = self.manager.holds.hold_host_prefix(keys + ([tail.key] if tail else []))  # a prefix of them
             where = self.manager.host.slots_of(held)
             if tail is not None and len(held) == len(keys) + 1:
@@ -315,6 +331,7 @@ class PDScheduler(SchedulerPD):
             request_id=request.request_id, keys=tuple(held), slots=tuple(where), fingerprint=self.fingerprint,
             tp_size=self.tp_size, mode=self.settings.mode, tail_tokens=tail_tokens,
             release_token=release_token(self._release_key, request.request_id),
+            ends_with_state=bool(self.state_groups and held),
         ).to_params()
 
     def take_direct(self) -> tuple[dict[str, DirectHold], list[str], list[str]]:

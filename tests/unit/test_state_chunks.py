@@ -68,15 +68,11 @@ def test_a_model_of_state_layers_only_is_declined() -> None:
         engine_groups(config(mamba(), mamba()))
 
 
-def test_state_layers_are_declined_with_several_pipeline_stages_or_p_d() -> None:
-    refuse_unserved_state_layers(GROUPS, 1, pd=False, kv_role="kv_both")  # served (at any TP size)
-    refuse_unserved_state_layers((KVGroup(FULL),), 2, pd=True, kv_role="kv_producer")  # no state: not ours
+def test_state_layers_are_declined_with_several_pipeline_stages_only() -> None:
+    refuse_unserved_state_layers(GROUPS, 1)  # served (at any TP size, P/D included)
+    refuse_unserved_state_layers((KVGroup(FULL),), 2)  # no state: not ours to refuse
     with pytest.raises(UnsupportedKVGroups, match="one pipeline stage"):
-        refuse_unserved_state_layers(GROUPS, 2, pd=False, kv_role="kv_both")
-    with pytest.raises(UnsupportedKVGroups, match="P/D"):
-        refuse_unserved_state_layers(GROUPS, 1, pd=True, kv_role="kv_both")
-    with pytest.raises(UnsupportedKVGroups, match="P/D"):
-        refuse_unserved_state_layers(GROUPS, 1, pd=False, kv_role="kv_consumer")
+        refuse_unserved_state_layers(GROUPS, 2)
 
 
 def test_a_chunk_key_keeps_no_state_and_a_state_key_the_chunks_last_block() -> None:
@@ -115,9 +111,11 @@ def test_a_hit_ends_at_the_last_chunk_whose_state_is_stored() -> None:
         return state_hit_chunks(keys(8), hits, max_tokens, BLOCK, lambda k: b"s" + k, present.__contains__)
 
     assert hit(8, 1000) == 5  # states after chunks 1 and 4: the hit spans chunks 0-4
-    assert hit(4, 1000) == 2  # only 4 chunks present: chunk 4's state is beyond them
+    assert hit(4, 1000) == 5  # chunks 0-3 present and chunk 4's state key: its chunk key is not needed
+    assert hit(3, 1000) == 2  # chunk 3 missing: chunk 4's state is beyond the run
     assert hit(8, 5 * BLOCK - 1) == 2  # vLLM computes the last prompt token: chunk 4 ends past it
-    assert hit(1, 1000) == 0
+    assert hit(1, 1000) == 2  # chunk 0 from its chunk key, chunk 1 from its state key
+    assert hit(0, 1000) == 0  # chunk 0 missing, its state too
 
 
 def offers(entries: dict[str, list[tuple[int, int, int]]]) -> SimpleNamespace:

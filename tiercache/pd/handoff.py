@@ -8,8 +8,8 @@ routers written for vLLM's P/D forward them unchanged::
      "remote_engine_id": ..., "remote_host": ..., "remote_port": ...,
      "remote_block_ids": [slot or block, ...], "remote_request_id": ..., "tp_size": ...,
      "tiercache": {"version": 5, "mode": "via_host" | "direct",
-                   "chunk_keys": [hex, ...], "tail_tokens": int, "fingerprint": {...},
-                   "release_token": hex}}
+                   "chunk_keys": [hex, ...], "tail_tokens": int, "ends_with_state": bool,
+                   "fingerprint": {...}, "release_token": hex}}
 
 ``remote_host``/``remote_port`` name the producer's side channel (rank 0;
 rank r listens on port + r); ``chunk_keys`` are the prompt's chunk keys the
@@ -23,7 +23,11 @@ the fingerprint's ``kv_groups``) every key, the tail's too, names
 producer holds none (a window group's freed blocks; connector/pd/direct_blocks.py).
 ``tail_tokens`` > 0 says the last key is the prompt's partial last chunk of that
 many tokens (connector/prompt_tail.py): one slot, or the blocks it spans,
-``ceil(tail_tokens / block_size)``; ``fingerprint`` is the producer's key
+``ceil(tail_tokens / block_size)``. ``ends_with_state`` (a state-layer model,
+connector/pd/state_handoff.py; never with a tail) says the last key is the
+*state key* of the chunk after the others (:meth:`tiercache.keys.KeySpace.state_key`:
+that chunk with the recurrent state at its end), the state a consumer resumes
+from; the consumer checks it against the state key of its own chunk there. ``fingerprint`` is the producer's key
 namespace (model, dtype, layout, block and chunk size, TP size, ...); ``release_token`` is what the consumer's read notice must echo for
 the producer to release the hand-off (:func:`tiercache.pd.auth.release_token`:
 a forged or replayed-for-another-request notice leaves it held). The consumer
@@ -43,7 +47,7 @@ from typing import Any
 
 from tiercache.keys import Namespace
 
-PARAMS_VERSION = 5  # 5: release_token; 4: tail_tokens (a consumer of another version refuses, and recomputes)
+PARAMS_VERSION = 6  # 6: ends_with_state; 5: release_token; 4: tail_tokens (a consumer of another version refuses, and recomputes)
 MODES = ("via_host", "direct")
 NO_BLOCK = -1  # mode direct, a hybrid model: a key's position the producer holds no block for
 
@@ -86,11 +90,17 @@ class Handoff:
     mode: str = "via_host"
     tail_tokens: int = 0  # > 0: the last key is the prompt's partial last chunk, of this many tokens
     release_token: str = ""  # the read notice's proof that it comes from the consumer given this hand-off
+    ends_with_state: bool = False  # the last key is the state key of the chunk after the others
 
     @property
     def full_keys(self) -> tuple[bytes, ...]:
-        """The keys of whole chunks (all but the tail's)."""
-        return self.keys[:-1] if self.tail_tokens else self.keys
+        """The chunk keys of whole chunks (all but the tail's or the state key)."""
+        return self.keys[:-1] if self.tail_tokens or self.ends_with_state else self.keys
+
+    @property
+    def state_key(self) -> bytes | None:
+        """A state-layer model's last key: the next chunk with the state at its end."""
+        return self.keys[-1] if self.ends_with_state else None
 
     @property
     def tail_key(self) -> bytes | None:
@@ -120,6 +130,7 @@ class Handoff:
                 "mode": self.mode,
                 "chunk_keys": [k.hex() for k in self.keys],
                 "tail_tokens": self.tail_tokens,
+                "ends_with_state": self.ends_with_state,
                 "fingerprint": dict(self.fingerprint),
                 "release_token": self.release_token,
             },
@@ -152,6 +163,10 @@ class Handoff:
             if tail_tokens and not (keys and 0 < tail_tokens < chunk_tokens):
                 raise HandoffError(f"tiercache.tail_tokens: expected 1..{chunk_tokens - 1} after a key, "
                                    f"got {tail_tokens}")
+            ends_with_state = ours.get("ends_with_state", False)
+            if not isinstance(ends_with_state, bool) or (ends_with_state and (tail_tokens or not keys)):
+                raise HandoffError(f"tiercache.ends_with_state: expected a bool, true only after a key and "
+                                   f"without a tail, got {ends_with_state!r:.40}")
             groups = group_count(str(fp.get("kv_groups", "")))
             expected = _slots_expected(mode, len(keys), tail_tokens, chunk_tokens, block_size, groups)
             lowest = NO_BLOCK if mode == "direct" and groups > 1 else 0
@@ -180,6 +195,7 @@ class Handoff:
                 mode=mode,
                 tail_tokens=tail_tokens,
                 release_token=token,
+                ends_with_state=ends_with_state,
             )
         except HandoffError:
             raise
