@@ -16,7 +16,14 @@ workers share core 0 (as in tests/e2e/test_tp_shared_tiers.py):
 * ``control``: the negative control: the same with rank separation off
   (``TIERCACHE_TEST_SHARDS_IGNORE_RANK=1``: every rank stores under the plain
   chunk key, the bug this guards against): both ranks then load one rank's
-  shard, its attention heads and its half of the states, and the tokens change.
+  shard, its attention heads and its half of the states, and the tokens change;
+* ``producer`` and ``consumer``: P/D at TP=2 (mode via_host, page hashes checked;
+  connector/pd/state_handoff.py), the same split: the producer prefills round 1's
+  prompts and hands each off up to its last block boundary (the state key last),
+  each consumer rank reads its own shard from the producer rank of its number, and
+  the consumer's tokens equal the baseline's round 1 with only the tokens after that
+  boundary computed (the TP=1 module tests/e2e/test_pd_state_models.py has the
+  controls of a wrong state).
 
 Rounds: (0) warm-up; (1) three distinct prompts; (2) the same after
 ``reset_prefix_cache()``: the host tier (16 chunks) no longer holds them (every
@@ -26,6 +33,7 @@ where the ranks' shards meet.
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -33,10 +41,10 @@ import pytest
 
 from tests.integration.redis_servers import RedisServer
 from tiercache.shards import IGNORE_RANK_ENV
-from tiercache.testing.engine_runner import random_prompts, run_engine
+from tiercache.testing.engine_runner import EngineRun, random_prompts, run_engine
 from tiercache.testing.random_llama import make_model_dir
 
-from .conftest import cached, engine_spec, metric_delta
+from .conftest import cached, engine_spec, free_port, metric_delta
 
 CHUNK = 32
 ENGINE_TIMEOUT_S = 400
@@ -79,7 +87,35 @@ def runs(models_root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) ->
             results[name]["log"] = (tmp / name / "engine.log").read_text(errors="replace")
     finally:
         redis.stop()
+    results["pd"] = run_pd_pair(model, tmp)
     return results
+
+
+def run_pd_pair(model: pathlib.Path, tmp: pathlib.Path) -> dict[str, Any]:
+    """A TP=2 producer handing round 1's prompts off to a TP=2 consumer (mode via_host)."""
+    prompts = workload()[1]["prompts"]
+    params = tmp / "pd_params.json"
+    pd = {"port": free_port(), "handoff_timeout_s": 600.0}
+    tp2 = {"max_num_batched_tokens": CHUNK, "llm_kwargs": {"tensor_parallel_size": 2}}
+    producer = EngineRun(engine_spec(model, CHUNK, [], [
+        {"prompts": prompts, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}, "sequential": True},
+        {"prompts": prompts[:1], "max_tokens": 1, "barrier": "end"}],  # killed while waiting here
+        kv_extra={"kv_role": "kv_producer", "pd": pd}, env=BIND, **tp2), tmp / "producer")
+    consumer = EngineRun(engine_spec(model, CHUNK, [], [
+        {"prompts": prompts, "max_tokens": 16, "kv_transfer_params_file": str(params), "sequential": True,
+         "barrier": "params"}],
+        kv_extra={"kv_role": "kv_consumer", "load_mode": "async", "pd": {"read_timeout_s": 10.0}},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "1|1"}, **tp2), tmp / "consumer")
+    try:
+        producer.wait_for("end", timeout_s=ENGINE_TIMEOUT_S)
+        handed = producer.partial("end")["rounds"][0]
+        params.write_text(json.dumps([r["kv_transfer_params"] for r in handed["requests"]]))
+        consumer.wait_for("params", timeout_s=ENGINE_TIMEOUT_S)
+        consumer.release("params")
+        return {"producer_r0": handed, "consumer": consumer.result(timeout_s=ENGINE_TIMEOUT_S)}
+    finally:
+        producer.kill()
+        consumer.kill()
 
 
 def outputs(result: dict[str, Any], rnd: int) -> list[list[int]]:
@@ -113,3 +149,19 @@ def test_negative_control_ranks_loading_one_shard_change_the_output(runs: dict[s
     changed = sum(a != b for a, b in zip(outputs(control, HIT_ROUND), outputs(runs["baseline"], HIT_ROUND),
                                          strict=True))
     assert changed >= 2, changed  # ...of the wrong rank's bytes
+
+
+def test_pd_at_tp2_hands_off_to_the_last_block_boundary_token_exact(runs: dict[str, dict[str, Any]]) -> None:
+    pd = runs["pd"]
+    prompts = workload()[1]["prompts"]
+    for req in pd["producer_r0"]["requests"]:
+        ours = req["kv_transfer_params"]["tiercache"]
+        assert ours["ends_with_state"] and ours["tail_tokens"] == 0 and ours["fingerprint"]["tp_size"] == 2
+        assert len(ours["chunk_keys"]) == (req["prompt_len"] - 1) // CHUNK
+    consumer = pd["consumer"]
+    assert outputs(consumer, 0) == outputs(runs["baseline"], 1)
+    handed = sum((len(p) - 1) // CHUNK * CHUNK for p in prompts)
+    assert metric_delta(consumer, 0, "tiercache_hit_tokens_total", 'tier="peer"') == handed
+    local = sum(v for k, v in consumer["rounds"][0]["metrics"].items()
+                if "prompt_tokens_by_source" in k and "local_compute" in k)
+    assert local == sum(len(p) for p in prompts) - handed  # only the tokens after each hand-off
