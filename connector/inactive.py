@@ -1,8 +1,8 @@
 """The connector's halves when tiercache declines a model: vLLM serves it, tiercache stores nothing.
 
-A model whose KV-cache groups tiercache cannot serve (state layers such as
-Mamba's, chunked local attention: connector/kv_groups.py raises
-``UnsupportedKVGroups``) must still start: the connector then says so in one
+A model whose KV-cache groups tiercache cannot serve (state layers outside
+vLLM's "align" mode or with several pipeline stages, chunked local attention:
+connector/kv_groups.py raises ``UnsupportedKVGroups``) must still start: the connector then says so in one
 WARNING and runs these null halves. Every lookup is a miss, no job is planned,
 nothing is allocated (no host slab), so vLLM behaves as without a connector.
 """

