@@ -70,6 +70,9 @@ PRODUCER_CPU = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 CONSUMER_CPU = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
 
 
+PD_TEST_BLOCKS = 2048  # every P/D test engine's KV cache, in blocks
+
+
 def engine_spec(kv: dict[str, Any] | None, rounds: list[dict[str, Any]], metrics_port: int | None,
                 env: dict[str, str] | None = None) -> dict[str, Any]:
     return {
@@ -78,6 +81,9 @@ def engine_spec(kv: dict[str, Any] | None, rounds: list[dict[str, Any]], metrics
         "dtype": "float32",
         "block_size": 32,
         "max_model_len": 1024,
+        # a P/D engine registers (and prefaults) its whole KV cache with NIXL: 1 GiB took ~3.7 s
+        # per engine here; these tests hold a few hundred blocks at most
+        "num_gpu_blocks_override": PD_TEST_BLOCKS,
         "kv_transfer_config": kv,
         "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None,
         "rounds": rounds,
