@@ -252,14 +252,15 @@ class PDScheduler(SchedulerPD):
         return DirectHold(tuple(held_keys), tuple(blocks), tail.tokens if tail is not None and with_tail else 0)
 
     def _tail(self, request: Request) -> PromptTail | None:
-        return prompt_tail(request, self.keys, self.chunk_tokens, self.block_size)
+        """The prompt's tail (none for a state-layer model: vLLM keeps no state after its last token)."""
+        return None if self.state_groups else prompt_tail(request, self.keys, self.chunk_tokens, self.block_size)
 
     def tail_to_store(self, request: Request) -> PromptTail | None:
         """Producer, mode via_host: the tail to store with the prompt's chunks (None: no hand-off, or no tail)."""
         params = request.kv_transfer_params or {}
         if not (self.is_producer and self.settings.mode == "via_host" and params.get("do_remote_decode")):
             return None
-        return None if self.state_groups else self._tail(request)  # a state model's: no state there
+        return self._tail(request)
 
     def mark_prefill(self, request: Request, tables: GroupBlockIds) -> None:
         """Mode direct: this step's forward pass completes the prompt; the worker marks its blocks after it."""
@@ -313,7 +314,7 @@ class PDScheduler(SchedulerPD):
         else:
             prompt_chunks = request.num_prompt_tokens // self.chunk_tokens
             keys = self.keys.chunk_keys(request.block_hashes)[:prompt_chunks]
-            tail = self._tail(request) if len(keys) == prompt_chunks and not self.state_groups else None
+            tail = self._tail(request) if len(keys) == prompt_chunks else None
             if self.state_groups:  # up to a chunk whose state is stored (connector/pd/state_handoff.py)
                 keys = via_host_state_keys(keys, request.num_prompt_tokens, self.chunk_tokens,
                                            self.manager.host, self.keys.state_key)

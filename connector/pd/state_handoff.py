@@ -16,8 +16,8 @@ offers none there. The consumer computes the tokens after the hand-off's end
 
 * **via_host**: the chunk keys and the state key are host-tier chunks the
   producer stored (the state key in the step vLLM offered the state:
-  connector/scheduler_stores.py); :func:`handoff_chunks` picks ``n`` from what
-  the host tier holds, :func:`state_handoff_keys` names them.
+  connector/scheduler_stores.py); :func:`via_host_state_keys` picks ``n`` from what
+  the host tier holds, as a consumer's lookup would (``state_hit_chunks``).
 * **direct**: the state lives in one device block per state group, which vLLM
   nulls and frees a step after the state moved on, long before the request
   finishes. :class:`OfferedStates` takes its own reference on the block when
@@ -38,23 +38,12 @@ from typing import TYPE_CHECKING
 from tiercache.connector.block_pins import BlockPins
 from tiercache.connector.pd.direct_blocks import NO_BLOCK, key_blocks
 from tiercache.connector.pd.step import DirectHold
-from tiercache.connector.state_chunks import StateOffers
+from tiercache.connector.state_chunks import StateOffers, state_hit_chunks
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from tiercache.manager.directory import TierDirectory
-
-
-def handoff_chunks(keys: Sequence[bytes], prompt_tokens: int, chunk_tokens: int, chunks_held: int,
-                   has_state: Callable[[int], bool]) -> int:
-    """How many chunks a hand-off spans (0: none): the largest ``n`` ending before the prompt's last
-    token whose chunk ``n - 1`` has its state (``has_state(n - 1)``) and whose chunks before it are
-    among the ``chunks_held`` leading ones."""
-    for n in range(min(len(keys), (prompt_tokens - 1) // chunk_tokens), 0, -1):
-        if chunks_held >= n - 1 and has_state(n - 1):
-            return n
-    return 0
 
 
 def state_handoff_keys(keys: Sequence[bytes], chunks: int, state_key: Callable[[bytes], bytes]) -> list[bytes]:
@@ -85,7 +74,8 @@ def via_host_state_keys(keys: Sequence[bytes], prompt_tokens: int, chunk_tokens:
         return key in host.ready or key in host.storing
 
     held = next((i for i, key in enumerate(keys) if not in_host(key)), len(keys))
-    n = handoff_chunks(keys, prompt_tokens, chunk_tokens, held, lambda c: in_host(state_key(keys[c])))
+    # the hit a consumer's lookup finds in these keys (it computes at least the prompt's last token)
+    n = state_hit_chunks(keys, held, prompt_tokens - 1, chunk_tokens, state_key, in_host)
     return state_handoff_keys(keys, n, state_key) if n else []
 
 
@@ -155,4 +145,4 @@ class OfferedStates:
 
 
 __all__ = ["NO_BLOCK", "OfferedState", "OfferedStates", "direct_state_hold", "handed_off_prompt",
-           "handoff_chunks", "state_handoff_keys", "state_key_blocks", "via_host_state_keys"]
+           "state_handoff_keys", "state_key_blocks", "via_host_state_keys"]

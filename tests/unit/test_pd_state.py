@@ -20,9 +20,9 @@ from tiercache.connector.kv_groups import FULL, STATE, KVGroup
 from tiercache.connector.pd.state_handoff import (
     NO_BLOCK,
     OfferedStates,
-    handoff_chunks,
     state_handoff_keys,
     state_key_blocks,
+    via_host_state_keys,
 )
 from tiercache.pd.handoff import Handoff, HandoffError
 
@@ -40,13 +40,22 @@ def state_of(key: bytes) -> bytes:
     return b"s" + key
 
 
+def handed(chunks_held: int, states: set[int], prompt: int = PROMPT) -> int:
+    """How many chunks a via_host hand-off spans when the host tier holds the first ``chunks_held``
+    chunk keys and the state keys of chunks ``states`` (READY or STORING)."""
+    ks = keys(5)
+    host = SimpleNamespace(ready=set(ks[:chunks_held]) | {state_of(ks[c]) for c in states}, storing=set())
+    held = via_host_state_keys(ks, prompt, BLOCK, host, state_of)  # type: ignore[arg-type]
+    assert held == (state_handoff_keys(ks, len(held), state_of) if held else [])
+    return len(held)
+
+
 def test_a_hand_off_spans_up_to_a_state_before_the_prompts_last_token() -> None:
-    has = {1, 4}.__contains__
-    assert handoff_chunks(keys(5), PROMPT, BLOCK, 5, has) == 5  # chunk 4's state, 160 < 190
-    assert handoff_chunks(keys(5), 160, BLOCK, 5, has) == 2  # 160 tokens: the hit stops before 159
-    assert handoff_chunks(keys(5), PROMPT, BLOCK, 4, has) == 5  # chunk 4's own key is not needed
-    assert handoff_chunks(keys(5), PROMPT, BLOCK, 3, has) == 2  # chunk 3 missing: back to chunk 1's state
-    assert handoff_chunks(keys(5), PROMPT, BLOCK, 5, set().__contains__) == 0
+    assert handed(5, {1, 4}) == 5  # chunk 4's state, 160 < 190
+    assert handed(5, {1, 4}, prompt=160) == 2  # 160 tokens: the hit stops before 159
+    assert handed(4, {1, 4}) == 5  # chunk 4's own key is not needed
+    assert handed(3, {1, 4}) == 2  # chunk 3 missing: back to chunk 1's state
+    assert handed(5, set()) == 0
     assert state_handoff_keys(keys(5), 2, state_of) == [keys(5)[0], state_of(keys(5)[1])]
 
 

@@ -7,7 +7,7 @@ routers written for vLLM's P/D forward them unchanged::
     {"do_remote_prefill": True, "do_remote_decode": False,
      "remote_engine_id": ..., "remote_host": ..., "remote_port": ...,
      "remote_block_ids": [slot or block, ...], "remote_request_id": ..., "tp_size": ...,
-     "tiercache": {"version": 5, "mode": "via_host" | "direct",
+     "tiercache": {"version": 6, "mode": "via_host" | "direct",
                    "chunk_keys": [hex, ...], "tail_tokens": int, "ends_with_state": bool,
                    "fingerprint": {...}, "release_token": hex}}
 
