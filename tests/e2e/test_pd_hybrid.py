@@ -170,6 +170,20 @@ def local_compute(result: dict[str, Any], rnd: int) -> float:
     return vllm_counter(result["rounds"][rnd], "prompt_tokens_by_source", "local_compute") - before
 
 
+def params_at_barrier(producer: EngineRun) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A producer at barrier ``params`` (its hand-off round done): that round, and each request's params."""
+    producer.wait_for("params", timeout_s=ENGINE_TIMEOUT_S)
+    handed = producer.partial("params")["rounds"][0]
+    return handed, [r["kv_transfer_params"] for r in handed["requests"]]
+
+
+def released_to_end(producer: EngineRun) -> dict[str, Any]:
+    """Let a producer at barrier ``params`` run on to barrier ``end``; its rounds so far."""
+    producer.release("params")
+    producer.wait_for("end", timeout_s=120)
+    return producer.partial("end")
+
+
 @pytest.fixture(scope="module")
 def runs(models_root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = make_model_dir("swa", models_root)
@@ -194,16 +208,11 @@ def runs(models_root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) ->
     consumer = EngineRun(spec(model, consumer_kv(c_metrics), consumer_rounds, c_metrics, CONSUMER_CPU),
                          tmp / "consumer")
     try:
-        producer.wait_for("params", timeout_s=ENGINE_TIMEOUT_S)
-        handed = producer.partial("params")["rounds"][0]
-        params = [r["kv_transfer_params"] for r in handed["requests"]]
-        out["producer_r0"] = handed
+        out["producer_r0"], params = params_at_barrier(producer)
         p_a, p_c, p_d = params[:len(A)], params[len(A):len(A) + len(C)], params[len(A) + len(C):]
         for path, value in ((params_a, p_a), (params_c, p_c), (params_d, p_d), (corrupt, p_c + p_d)):
             path.write_text(json.dumps(value))
-        producer.release("params")
-        producer.wait_for("end", timeout_s=120)
-        out["producer"] = producer.partial("end")
+        out["producer"] = released_to_end(producer)
         consumer.wait_for("A", timeout_s=ENGINE_TIMEOUT_S)
         consumer.release("A")
         consumer.wait_for("C", timeout_s=ENGINE_TIMEOUT_S)
@@ -242,15 +251,10 @@ def run_direct_pair(model: pathlib.Path, tmp: pathlib.Path, out: dict[str, Any])
     consumer = EngineRun(spec(model, consumer_kv(c_metrics), consumer_rounds, c_metrics, CONSUMER_CPU),
                          tmp / "direct_consumer")
     try:
-        producer.wait_for("params", timeout_s=ENGINE_TIMEOUT_S)
-        handed = producer.partial("params")["rounds"][0]
-        params = [r["kv_transfer_params"] for r in handed["requests"]]
-        out["direct_producer_r0"] = handed
+        out["direct_producer_r0"], params = params_at_barrier(producer)
         params_a.write_text(json.dumps(params[:len(A)]))
         params_d.write_text(json.dumps(params[len(A):]))
-        producer.release("params")
-        producer.wait_for("end", timeout_s=120)
-        out["direct_producer"] = producer.partial("end")
+        out["direct_producer"] = released_to_end(producer)
         consumer.wait_for("A", timeout_s=ENGINE_TIMEOUT_S)
         consumer.release("A")
         out["direct_consumer"] = consumer.result(timeout_s=ENGINE_TIMEOUT_S)

@@ -47,7 +47,13 @@ from tiercache.testing.random_llama import make_model_dir
 
 from .conftest import free_port, tiercache_kv_config
 from .test_pd import CONSUMER_CPU, PRODUCER_CPU, engine_spec, sample, tokens
-from .test_pd_hybrid import corrupt_direct_window_group, corrupt_window_group, local_compute
+from .test_pd_hybrid import (
+    corrupt_direct_window_group,
+    corrupt_window_group,
+    local_compute,
+    params_at_barrier,
+    released_to_end,
+)
 
 CHUNK = 32  # the block: every state vLLM keeps at a block boundary is at a chunk's end
 STATE_GROUP = 0  # LFM2's MambaSpec group (tests/e2e/test_state_models.py checks it)
@@ -123,16 +129,11 @@ def run_via_host(model: pathlib.Path, tmp: pathlib.Path, out: dict[str, Any]) ->
     consumer = EngineRun(spec(model, consumer_kv(c_metrics), [decode(A, params_a, "A"), decode(C, params_c, "C")],
                               c_metrics, CONSUMER_CPU), tmp / "consumer")
     try:
-        producer.wait_for("params", timeout_s=ENGINE_TIMEOUT_S)
-        handed = producer.partial("params")["rounds"][0]
-        params = [r["kv_transfer_params"] for r in handed["requests"]]
-        out["producer_r0"] = handed
+        out["producer_r0"], params = params_at_barrier(producer)
         p_a, p_c, p_d = params[:len(A)], params[len(A):len(A) + len(C)], params[len(A) + len(C):]
         for path, value in ((params_a, p_a), (params_c, p_c), (params_d, p_d), (zeroed, p_c + p_d)):
             path.write_text(json.dumps(value))
-        producer.release("params")
-        producer.wait_for("end", timeout_s=120)
-        out["producer"] = producer.partial("end")
+        out["producer"] = released_to_end(producer)
         consumer.wait_for("A", timeout_s=ENGINE_TIMEOUT_S)
         consumer.release("A")
         consumer.wait_for("C", timeout_s=ENGINE_TIMEOUT_S)
@@ -156,15 +157,10 @@ def run_direct(model: pathlib.Path, tmp: pathlib.Path, out: dict[str, Any]) -> N
     consumer = EngineRun(spec(model, consumer_kv(c_metrics), [decode(A, params_a, "A"), decode(D, params_d)],
                               c_metrics, CONSUMER_CPU), tmp / "direct_consumer")
     try:
-        producer.wait_for("params", timeout_s=ENGINE_TIMEOUT_S)
-        handed = producer.partial("params")["rounds"][0]
-        params = [r["kv_transfer_params"] for r in handed["requests"]]
-        out["direct_producer_r0"] = handed
+        out["direct_producer_r0"], params = params_at_barrier(producer)
         params_a.write_text(json.dumps(params[:len(A)]))
         params_d.write_text(json.dumps(params[len(A):]))
-        producer.release("params")
-        producer.wait_for("end", timeout_s=120)
-        out["direct_producer"] = producer.partial("end")
+        out["direct_producer"] = released_to_end(producer)
         consumer.wait_for("A", timeout_s=ENGINE_TIMEOUT_S)
         consumer.release("A")
         out["direct_consumer"] = consumer.result(timeout_s=ENGINE_TIMEOUT_S)
