@@ -84,6 +84,7 @@ def spec_for(kind: str, model: Path, workdir: Path, args: argparse.Namespace) ->
         "max_model_len": max_len,
         "max_num_batched_tokens": max(8192, max_len),  # whole prompts: ExampleConnector needs it
         "kv_transfer_config": connector_config(kind, workdir, args.chunk_tokens),
+        "in_process": False,  # every kind in vLLM's usual processes: the TTFTs compare alike
         "env": {"VLLM_CPU_KVCACHE_SPACE": str(args.engine_kv_gib)},
         "rounds": rounds(args.lengths, args.prompts, args.seed),
     }

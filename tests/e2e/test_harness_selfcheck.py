@@ -52,6 +52,7 @@ def selfcheck_spec(model_dir: pathlib.Path, prompts: list[list[int]]) -> dict[st
         "block_size": BLOCK,
         "max_model_len": 1024,
         "kv_transfer_config": None,
+        "in_process": False,  # vLLM's usual processes: the worker_call round checks them
         "env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # worker_call sends a function
         "rounds": [
             {"prompts": random_prompts(2, 40, vocab=VOCAB, seed=99), "max_tokens": 4,
@@ -114,3 +115,12 @@ def test_harness_selfcheck(tiny_model_dir: pathlib.Path) -> None:
     # worker_call ran in the worker (one, TP=1), a process of its own, not the runner
     assert call["kind"] == "worker_call" and len(call["results"]) == 1
     assert isinstance(call["results"][0], int) and call["results"][0] != result["runner_pid"]
+    # Engines without a connector (the tests' baselines) run in the runner's process by default
+    # (engine_runner ``in_process``): the same tokens as vLLM's usual processes, and a real
+    # difference there would fail every token-exact test rather than pass a negative control.
+    spec = selfcheck_spec(tiny_model_dir, prompts)
+    del spec["in_process"]
+    spec["rounds"] = [spec["rounds"][1], spec["rounds"][-1]]
+    inproc = run_engine(spec, timeout_s=360)
+    assert outputs(inproc["rounds"][0]) == base_out
+    assert inproc["rounds"][1]["results"] == [inproc["runner_pid"]]  # the worker is the runner

@@ -45,6 +45,7 @@ from tiercache.testing.engine_runner import EngineRun, random_prompts, run_engin
 from tiercache.testing.random_llama import make_model_dir
 
 from .conftest import cached, engine_spec, free_port, metric_delta
+from .test_pd import PD_TEST_BLOCKS
 
 CHUNK = 32
 ENGINE_TIMEOUT_S = 400
@@ -96,7 +97,8 @@ def run_pd_pair(model: pathlib.Path, tmp: pathlib.Path) -> dict[str, Any]:
     prompts = workload()[1]["prompts"]
     params = tmp / "pd_params.json"
     pd = {"port": free_port(), "handoff_timeout_s": 600.0}
-    tp2 = {"max_num_batched_tokens": CHUNK, "llm_kwargs": {"tensor_parallel_size": 2}}
+    tp2 = {"max_num_batched_tokens": CHUNK, "llm_kwargs": {"tensor_parallel_size": 2},
+           "num_gpu_blocks_override": PD_TEST_BLOCKS}  # NIXL registers (prefaults) the whole KV cache
     producer = EngineRun(engine_spec(model, CHUNK, [], [
         {"prompts": prompts, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}, "sequential": True},
         {"prompts": prompts[:1], "max_tokens": 1, "barrier": "end"}],  # killed while waiting here
