@@ -133,6 +133,7 @@ def engine_spec(kind: str, role: str, model: Path, args: argparse.Namespace, sid
         "kv_transfer_config": kv_config(kind, role, args, side_port, metrics_port),
         "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if kind != "nixl" else None,
         "env": env, "rounds": rounds,
+        "in_process": False,  # vLLM's usual processes for every kind: the TTFTs compare alike
         # whole engines on their own core, as on separate prefill and decode machines
         "cpus": [int(cpu)] if args.isolate_engines else None,
     }

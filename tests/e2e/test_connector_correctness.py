@@ -80,6 +80,9 @@ def engine_spec(model: pathlib.Path, kv: dict[str, Any] | None, port: int | None
         "kv_transfer_config": kv,
         "tiercache_metrics_url": f"http://127.0.0.1:{port}/metrics" if port else None,
         "rounds": workload(),
+        # tiercache engines in vLLM's usual processes here (the layout `vllm serve` runs); other
+        # modules run the engine core in the test's runner process (engine_runner in_process)
+        **({"in_process": False} if kv else {}),
     }
 
 

@@ -115,12 +115,15 @@ def test_harness_selfcheck(tiny_model_dir: pathlib.Path) -> None:
     # worker_call ran in the worker (one, TP=1), a process of its own, not the runner
     assert call["kind"] == "worker_call" and len(call["results"]) == 1
     assert isinstance(call["results"][0], int) and call["results"][0] != result["runner_pid"]
-    # Engines without a connector (the tests' baselines) run in the runner's process by default
-    # (engine_runner ``in_process``): the same tokens as vLLM's usual processes, and a real
-    # difference there would fail every token-exact test rather than pass a negative control.
-    spec = selfcheck_spec(tiny_model_dir, prompts)
-    del spec["in_process"]
-    spec["rounds"] = [spec["rounds"][1], spec["rounds"][-1]]
-    inproc = run_engine(spec, timeout_s=360)
-    assert outputs(inproc["rounds"][0]) == base_out
-    assert inproc["rounds"][1]["results"] == [inproc["runner_pid"]]  # the worker is the runner
+    # Most test engines run some of vLLM's processes inside the runner (engine_runner
+    # ``in_process``: "all" for baselines, "core" with a connector): the same tokens as vLLM's
+    # usual processes, and a real difference there would fail every token-exact test rather
+    # than pass a negative control.
+    for layout in ("all", "core"):
+        spec = selfcheck_spec(tiny_model_dir, prompts)
+        spec["in_process"] = layout
+        spec["rounds"] = [spec["rounds"][1], spec["rounds"][-1]]
+        run = run_engine(spec, timeout_s=360)
+        assert outputs(run["rounds"][0]) == base_out, layout
+        worker = run["rounds"][1]["results"]
+        assert (worker == [run["runner_pid"]]) == (layout == "all"), (layout, worker)

@@ -87,6 +87,9 @@ def engine_spec(kv: dict[str, Any] | None, rounds: list[dict[str, Any]], metrics
         "kv_transfer_config": kv,
         "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None,
         "rounds": rounds,
+        # P/D engines keep vLLM's usual processes: kv_transfer_params cross the front-end /
+        # engine-core boundary (serialized) as in a deployment; a baseline runs in one process
+        **({"in_process": False} if kv else {}),
     }
 
 

@@ -98,7 +98,8 @@ def run_pd_pair(model: pathlib.Path, tmp: pathlib.Path) -> dict[str, Any]:
     params = tmp / "pd_params.json"
     pd = {"port": free_port(), "handoff_timeout_s": 600.0}
     tp2 = {"max_num_batched_tokens": CHUNK, "llm_kwargs": {"tensor_parallel_size": 2},
-           "num_gpu_blocks_override": PD_TEST_BLOCKS}  # NIXL registers (prefaults) the whole KV cache
+           "num_gpu_blocks_override": PD_TEST_BLOCKS,  # NIXL registers (prefaults) the whole KV cache
+           "in_process": False}  # as test_pd's P/D engines: vLLM's usual processes
     producer = EngineRun(engine_spec(model, CHUNK, [], [
         {"prompts": prompts, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}, "sequential": True},
         {"prompts": prompts[:1], "max_tokens": 1, "barrier": "end"}],  # killed while waiting here

@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace, console: TextIO) -> int:
         "dtype": args.dtype,
         "block_size": 32,
         "max_model_len": max(2048, args.prompt_tokens + args.max_tokens + 32),
+        "in_process": False,  # vLLM's usual processes, as `vllm serve` runs them
         "kv_transfer_config": {
             "kv_connector": "TierCacheConnector",
             "kv_connector_module_path": "tiercache.connector.vllm",

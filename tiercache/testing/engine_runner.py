@@ -4,8 +4,7 @@ This is the engine side: the script
 ``python -m tiercache.testing.engine_runner --spec spec.json --out result.json``
 sets the environment, imports vLLM, builds one ``vllm.LLM``, runs every round
 of the spec in order, and writes the result as JSON. The demo also calls its
-steps (``apply_env``, ``llm_kwargs``, ``generate``, ``request_record``) in its
-own process.
+steps (``apply_env``, ``llm_kwargs``, ``generate``, ``request_record``).
 
 The test side, which starts this script in a fresh process group, enforces a
 timeout and returns the result (``run_engine(spec)``, :class:`EngineRun`,
@@ -30,12 +29,12 @@ Spec (JSON object; only ``model_dir`` and ``rounds`` are required)::
     tiercache_metrics_url    str    optional: scrape tiercache_* samples from this URL after each round
     env                      dict   env vars set before importing vLLM (override the defaults
                                     VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND=0)
-    in_process               bool   default: true without kv_transfer_config, false with it. True runs
-                                    vLLM's engine core, and at TP=1 its worker, inside the runner
-                                    process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"): the
-                                    same tokens, ~14 s less start-up (two fewer processes importing
-                                    vLLM). Engines with a connector keep vLLM's usual processes
-                                    (what ``vllm serve`` runs); benchmarks timing a baseline set false
+    in_process               "all" | "core" | false: vLLM processes run inside the runner. "all":
+                                    engine core and a TP=1 worker; "core": the engine core (workers
+                                    apart: metadata still crosses to them); false: vLLM's usual
+                                    processes (as ``vllm serve``). Same tokens; ~7 s less start-up
+                                    per process saved. Default "all" without kv_transfer_config,
+                                    else "core"; benchmarks and P/D tests set false
     cpus                     list   optional: CPU ids the whole engine (front-end, engine core,
                                     workers; children inherit it) may run on. Without it only
                                     the workers' compute threads are bound (VLLM_CPU_OMP_THREADS_BIND)
@@ -139,10 +138,12 @@ def apply_env(spec: dict[str, Any]) -> None:
         os.environ[str(key)] = str(value)
 
 
-def in_process(spec: dict[str, Any]) -> bool:
-    """Whether vLLM's engine core (and a TP=1 worker) run in the runner process (spec ``in_process``)."""
-    default = not spec.get("kv_transfer_config")
-    return bool(spec.get("in_process", default))
+def in_process(spec: dict[str, Any]) -> str | None:
+    """Which of vLLM's processes run in the runner: "all", "core" or None (spec ``in_process``)."""
+    value = spec.get("in_process", "core" if spec.get("kv_transfer_config") else "all")
+    if value not in ("all", "core", None, False):
+        raise ValueError(f'in_process must be "all", "core" or false, got {value!r}')
+    return str(value) if value else None
 
 
 def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
@@ -172,8 +173,11 @@ def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
 
         kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     kwargs.update(spec.get("llm_kwargs") or {})
-    if in_process(spec) and int(kwargs.get("tensor_parallel_size", 1)) == 1:
+    layout = in_process(spec)
+    if layout == "all" and int(kwargs.get("tensor_parallel_size", 1)) == 1:
         kwargs.setdefault("distributed_executor_backend", "uni")
+    elif layout == "core":
+        kwargs.setdefault("distributed_executor_backend", "mp")  # workers in processes of their own
     return kwargs
 
 
