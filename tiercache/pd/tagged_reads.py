@@ -96,6 +96,7 @@ class TaggedReader:
         data_bytes, data_secs = 0, 0.0
         while pending:
             # tags before the data: only chunks the producer names now are read
+            before = time.perf_counter()
             ready, again = self._sort_by_tags(link, plan, expected, pending, deadline, poll_burst_s)
             if again and not wait:
                 raise MustWait
@@ -118,11 +119,15 @@ class TaggedReader:
                 data_secs += t2 - t1
                 if debug:
                     cpu, waited = (after - before for after, before in zip(thread_schedstat(), sched))
-                    logger.debug("tiercache P/D: %d descriptors: built %.2f ms, data READ %.2f ms (CPU %.2f ms, "
-                                 "waiting for the CPU %.2f ms), tags after %.2f ms", len(local), (t1 - t0) * 1e3,
-                                 (t2 - t1) * 1e3, cpu / 1e6, waited / 1e6, (t3 - t2) * 1e3)
+                    logger.debug("tiercache P/D: %d descriptors: tags before %.2f ms (%d of %d chunks named, "
+                                 "%d not yet), built %.2f ms, data READ %.2f ms (CPU %.2f ms, waiting for the "
+                                 "CPU %.2f ms), tags after %.2f ms", len(local), (t0 - before) * 1e3, len(ready),
+                                 len(pending), len(again), (t1 - t0) * 1e3, (t2 - t1) * 1e3, cpu / 1e6,
+                                 waited / 1e6, (t3 - t2) * 1e3)
             pending = again
             if pending:
+                logger.debug("tiercache P/D: %d chunks not named by their tags yet: again in %.0f ms",
+                             len(pending), _TAG_POLL_S * 1e3)
                 if time.monotonic() >= deadline:
                     logger.warning("tiercache P/D: %d chunks of %s never became readable (expired?)",
                                    len(pending), link.address)
