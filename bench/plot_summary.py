@@ -89,7 +89,9 @@ def draw(plot: dict[str, Any], out: Path) -> None:
                 continue
             y = len(cases) - 1 - g + 0.4 - bar * (s + 0.5)
             shown = min(v, xmax)
-            ax.barh(y, shown, height=bar * 0.92, color=COLOURS[s % len(COLOURS)], label=None if labelled else name)
+            left = plot.get("xmin", 0)  # an axis from xmin: a few per cent around 1 would not show from 0
+            ax.barh(y, shown - left, left=left, height=bar * 0.92, color=COLOURS[s % len(COLOURS)],
+                    label=None if labelled else name)
             labelled = True
             text = value_label(v, unit) + (" (cut)" if v > xmax else "")
             ax.text(shown * (1.02 if plot.get("log") else 1) + (0 if plot.get("log") else xmax * 0.006), y, text,
@@ -103,7 +105,7 @@ def draw(plot: dict[str, Any], out: Path) -> None:
         ax.set_xlim(min(values) / 1.6, xmax * 1.6)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     else:
-        ax.set_xlim(0, xmax)
+        ax.set_xlim(plot.get("xmin", 0), xmax)
     for key, style in (("reference", {"color": "black", "linewidth": 1.2}),
                        ("target", {"color": "#C44E52", "linewidth": 1.0, "linestyle": "--"})):
         if key in plot:
