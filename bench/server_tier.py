@@ -19,7 +19,11 @@ TCP (``tiercache serve`` in a subprocess, ``nixl: off``):
   host slots.
 * ``tier``: the engine's path, :class:`tiercache.backends.server.backend.ServerBackend`
   (``connections: 1``) through submit_put/submit_get and poll: adds the I/O
-  thread hand-off and job bookkeeping.
+  thread hand-off and job bookkeeping. Its requests are pipelined as the
+  tier's defaults say (``pipeline_depth`` requests of ``pipeline_request_bytes``
+  in flight; ``--pipeline-depth`` / ``--pipeline-request-kib`` change them).
+* ``tier 1-by-1``: the same tier with ``pipeline_depth: 1`` (the whole request,
+  then its reply): what pipelining gains, measured in the same run.
 
 NIXL (when ``from nixl._api import nixl_agent`` works here, UCX, DRAM<->DRAM):
 
@@ -242,12 +246,14 @@ def client_runners(w: Workload, address: str) -> tuple[Runner, Runner, Callable[
     return put, get, client.close
 
 
-def tier_runners(w: Workload, address: str, nixl: bool) -> tuple[Runner, Runner, Callable[[], dict[str, int]]]:
+def tier_runners(w: Workload, address: str, nixl: bool,
+                 **pipeline: int) -> tuple[Runner, Runner, Callable[[], dict[str, int]]]:
     settings = ServerSettings(address=address, connections=1, data_path="nixl" if nixl else "tcp",
                               timeout_s=60, max_batch_keys=4096, max_batch_bytes=w.chunk * w.count,
                               # the chunks move in place (registered below): the arena stays unused
                               nixl_staging_bytes=1 << 20,
-                              overwrite=True)  # replaces the client path's values
+                              overwrite=True,  # replaces the client path's values
+                              **pipeline)  # type: ignore[arg-type]
     backend = ServerBackend(settings, BackendContext("bench", b"bench-ns", w.chunk, 1 << 40))
     if nixl:
         backend.register_buffer(memoryview(w.src))
@@ -298,14 +304,17 @@ def start_cell(
     return Workload(chunk, count), raw_port, spawn(raw_server, str(raw_port), str(chunk * count))
 
 
-def bench_tcp(chunks: list[int], request_bytes: int, seconds: float, reps: int, tmp: Path) -> list[dict[str, Any]]:
+def bench_tcp(chunks: list[int], request_bytes: int, seconds: float, reps: int, tmp: Path,
+              pipeline: dict[str, int]) -> list[dict[str, Any]]:
+    """``pipeline``: the pipelined tier's settings (``pipeline_depth``, ``pipeline_request_bytes``; empty: defaults)."""
     rows = []
     for chunk in chunks:
         w, raw_port, raw_proc = start_cell(chunk, request_bytes, "--raw-tcp-server")
         count = w.count
         server, address = start_tiercache(tmp, chunk, chunk * count, nixl=False)
         paths = {"raw": raw_runners(w, raw_port), "client": client_runners(w, address),
-                 "tier": tier_runners(w, address, nixl=False)}
+                 "tier": tier_runners(w, address, nixl=False, **pipeline),
+                 "tier_serial": tier_runners(w, address, nixl=False, pipeline_depth=1)}
         try:
             for name, (put, get, _) in paths.items():  # correctness, untimed
                 put()
@@ -313,7 +322,7 @@ def bench_tcp(chunks: list[int], request_bytes: int, seconds: float, reps: int, 
                 w.verify()
             samples: dict[str, list[float]] = {f"{n}_{op}": [] for n in paths for op in ("put", "get")}
             for rep in range(reps):
-                order = list(paths)[rep % 3 :] + list(paths)[: rep % 3]
+                order = list(paths)[rep % len(paths) :] + list(paths)[: rep % len(paths)]
                 for name in order:
                     put, get, _ = paths[name]
                     samples[f"{name}_put"].append(measure(put, seconds))
@@ -324,7 +333,7 @@ def bench_tcp(chunks: list[int], request_bytes: int, seconds: float, reps: int, 
             raw_proc.kill()
             server.terminate()
             server.wait(30)
-        rows.append(median_row(chunk, count, samples, ("client", "tier")))
+        rows.append(median_row(chunk, count, samples, ("client", "tier", "tier_serial")))
     return rows
 
 
@@ -433,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     add("--reps", dest="repeat", type=int, default=argparse.SUPPRESS,
         help=argparse.SUPPRESS)  # its name before --repeat
     add("--no-nixl", action="store_true", help="skip the NIXL part")
+    add("--pipeline-depth", type=int, default=None,
+        help="TCP tier: requests in flight per connection (default: the tier's, 2)")
+    add("--pipeline-request-kib", type=int, default=None,
+        help="TCP tier: value KiB per pipelined request (default: the tier's, 4096)")
     add("--raw-tcp-server", nargs=2, type=int, help=argparse.SUPPRESS)
     add("--raw-nixl-server", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -448,15 +461,21 @@ def main(argv: list[str] | None = None) -> int:
     print(common.describe_machine(machine))
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results["tcp"] = bench_tcp(chunks, request, args.seconds, args.repeat, Path(tmp))
+        pipeline = {k: v for k, v in (("pipeline_depth", args.pipeline_depth),
+                                      ("pipeline_request_bytes", (args.pipeline_request_kib or 0) << 10)) if v}
+        results["tcp"] = bench_tcp(chunks, request, args.seconds, args.repeat, Path(tmp), pipeline)
+        results["tcp_pipeline"] = pipeline or "the tier's defaults"
         common.print_table(
-            ["chunk", "chunks/req", "raw put", "client put", "tier put", "tier/raw", "raw get", "client get",
-             "tier get", "tier/raw"],
+            ["chunk", "chunks/req", "raw put", "client put", "tier put", "tier/raw", "1-by-1/raw", "raw get",
+             "client get", "tier get", "tier/raw", "1-by-1/raw"],
             [[kib(r["chunk_bytes"]), r["chunks_per_request"], f"{r['raw_put_gbps']:.2f}",
               f"{r['client_put_gbps']:.2f}", f"{r['tier_put_gbps']:.2f}", f"{100 * r['tier_put_vs_raw']:.0f}%",
+              f"{100 * r['tier_serial_put_vs_raw']:.0f}%",
               f"{r['raw_get_gbps']:.2f}", f"{r['client_get_gbps']:.2f}", f"{r['tier_get_gbps']:.2f}",
-              f"{100 * r['tier_get_vs_raw']:.0f}%"] for r in results["tcp"]],
-            title="TCP, one connection, GB/s (median); tier/raw = median of per-repetition ratios",
+              f"{100 * r['tier_get_vs_raw']:.0f}%", f"{100 * r['tier_serial_get_vs_raw']:.0f}%"]
+             for r in results["tcp"]],
+            title="TCP, one connection, GB/s (median); tier/raw = median of per-repetition ratios; "
+            "tier pipelined, 1-by-1: one request at a time",
         )
         if not args.no_nixl and nixl_available():
             results["nixl"] = bench_nixl(chunks, request, args.seconds, args.repeat, Path(tmp))

@@ -10,7 +10,9 @@ Threads and connections: ``connections`` I/O threads, each owning one
 :class:`~tiercache.server.client.ServerClient` (a TCP connection, connected on
 demand). A job is split into parts of at most ``max_batch_keys`` keys and
 ``max_batch_bytes`` bytes; the parts go on one queue and run on whichever
-thread is free, so a large job uses every connection. ``contains`` and
+thread is free, so a large job uses every connection; over TCP a thread
+keeps up to ``pipeline_depth`` requests of a part in flight on its connection
+(:mod:`.worker`). ``contains`` and
 ``delete`` are answered synchronously (they wait for a thread, up to
 ``timeout_s``) and may be called from any thread, as the scheduler's shared
 lookup does; ``submit_*``, ``poll`` and ``close`` from the owner's thread.

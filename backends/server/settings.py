@@ -72,7 +72,18 @@ class ServerSettings(BackendSettings):
         "nobody, the same tenant included, replaces what was stored first); true: a put replaces it.",
     )
     max_batch_keys: int = Field(default=256, ge=1, le=65536, description="Keys per request.")
-    max_batch_bytes: ByteSize = Field(default=32 << 20, gt=0, description="Value bytes per request.")
+    max_batch_bytes: ByteSize = Field(
+        default=32 << 20, gt=0, description="Value bytes per part of a job (parts run on any connection)."
+    )
+    pipeline_depth: int = Field(
+        default=2, ge=1, le=8,
+        description="TCP requests in flight per connection: the next is checksummed and sent while the "
+        "server handles the one before (1: one at a time). Not used over NIXL.",
+    )
+    pipeline_request_bytes: ByteSize = Field(
+        default=4 << 20, gt=0,
+        description="Value bytes per request when pipelining: a larger part goes as several requests.",
+    )
     client_name: str = Field(default="", max_length=128, description="Shown by tiercache inspect.")
 
     @field_validator("address")

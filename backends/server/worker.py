@@ -7,8 +7,12 @@ that takes requests off its backend's ``requests`` queue until it finds
 and always reported to :meth:`ServerBackend.part_done
 <tiercache.backends.server.backend.ServerBackend.part_done>`) or a
 synchronous :class:`Call` (its result handed to the waiting caller's future).
-The thread reads a put's views and writes a get's views only while it runs
-their part; every value is a frame (:mod:`.frames`: built on put, verified on
+Over TCP a part goes as requests of ``pipeline_request_bytes`` with up to
+``pipeline_depth`` in flight on the connection (:meth:`Worker._pipelined`:
+the next request is framed and sent while the server handles the one
+before; replies come in order, each checked against its request id by the
+client); over NIXL one request at a time. The thread reads a put's views
+and writes a get's views only while it runs their part; every value is a frame (:mod:`.frames`: built on put, verified on
 get before the key counts as loaded); over NIXL a chunk in registered memory
 moves in place and any other through the arena that is this thread's own
 (index ``index`` of the backend's
@@ -26,7 +30,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -37,7 +42,7 @@ from tiercache.backends.server.settings import ServerSettings
 from tiercache import faults
 from tiercache.backend import BackendContext
 from tiercache.server import protocol as p
-from tiercache.server.client import ServerClient
+from tiercache.server.client import Pending, ServerClient
 from tiercache.server.nixl_client import NixlClientSide
 from tiercache.tiers.worker_lanes import PartedJob
 
@@ -189,21 +194,59 @@ class Worker:
         views = [job.views[i] for i in part.indices]
         welcome = client.welcome
         assert welcome is not None
+        settings = self.backend.settings
         too_big = [len(v) > welcome.max_value_bytes or len(k) > welcome.max_key_bytes for k, v in zip(keys, views)]
         chosen = [i for i, bad in enumerate(too_big) if not bad]
         ok = [False] * len(keys)
-        max_keys = max(1, min(welcome.max_keys, self.backend.settings.max_batch_keys))
+        max_keys = max(1, min(welcome.max_keys, settings.max_batch_keys))
+        pipelined = not self.nixl_active and settings.pipeline_depth > 1
+        max_bytes = min(welcome.max_payload_bytes, settings.pipeline_request_bytes if pipelined else 1 << 62)
         sizes = [Framer.framed_bytes(keys[i], views[i]) for i in chosen]
-        for sub in _batches(chosen, sizes, max_keys, welcome.max_payload_bytes):
-            sub_keys = [keys[i] for i in sub]
-            sub_views = [views[i] for i in sub]
-            if job.kind == "put":
-                good = self._put(client, sub_keys, sub_views)
-            else:
-                good = self._get(client, sub_keys, sub_views)
+        subs = _batches(chosen, sizes, max_keys, max_bytes)
+        if pipelined:
+            results = self._pipelined(client, job.kind == "put", keys, views, subs)
+        else:
+            results = ((sub, self._one_request(client, job.kind == "put", keys, views, sub)) for sub in subs)
+        for sub, good in results:
             for i, g in zip(sub, good):
                 ok[i] = g
         return ok
+
+    def _one_request(self, client: ServerClient, is_put: bool, keys: list[bytes], views: list[memoryview],
+                     sub: list[int]) -> list[bool]:
+        sub_keys = [keys[i] for i in sub]
+        sub_views = [views[i] for i in sub]
+        return self._put(client, sub_keys, sub_views) if is_put else self._get(client, sub_keys, sub_views)
+
+    def _pipelined(self, client: ServerClient, is_put: bool, keys: list[bytes], views: list[memoryview],
+                   subs: list[list[int]]) -> Iterator[tuple[list[int], list[bool]]]:
+        """A part's TCP requests with up to ``pipeline_depth`` in flight: the next request is framed
+        (checksummed) and sent while the server stores or fetches the one before, and a get's values
+        are verified while the server prepares the next. Results come in order, per request."""
+        framer = self.backend.framer
+        depth = self.backend.settings.pipeline_depth
+        sent: deque[tuple[list[int], Pending, list[tuple[memoryview, memoryview]]]] = deque()
+        for sub in subs:
+            sub_keys = [keys[i] for i in sub]
+            sub_views = [views[i] for i in sub]
+            if is_put:
+                overwrite = self.backend.settings.overwrite or self.backend.take_refused(sub_keys)
+                sent.append((sub, client.send_put(sub_keys, framer.put_values(sub_keys, sub_views), overwrite), []))
+            else:
+                frames = framer.get_values(sub_keys, sub_views)
+                sent.append((sub, client.send_get(sub_keys, frames), frames))
+            if len(sent) >= depth:
+                yield self._received(client, keys, views, *sent.popleft())
+        while sent:
+            yield self._received(client, keys, views, *sent.popleft())
+
+    def _received(self, client: ServerClient, keys: list[bytes], views: list[memoryview], sub: list[int],
+                  pending: Pending, frames: list[tuple[memoryview, memoryview]]) -> tuple[list[int], list[bool]]:
+        """The reply of one pipelined request: a put's statuses, or a get's values verified."""
+        statuses, sizes = client.finish(pending)
+        if pending.msg_type is p.MsgType.PUT:
+            return sub, [s in p.OK_PUT for s in statuses]
+        return sub, self._verified([keys[i] for i in sub], [views[i] for i in sub], frames, statuses, sizes)
 
     def _use_nixl(self, keys: list[bytes], views: list[memoryview]) -> bool:
         """NIXL for this request: the connection has it, the chunks outside registered memory fit
@@ -251,6 +294,13 @@ class Worker:
                         view[:] = bytes(len(view))
                 raise
             frames = [(memoryview(h), t) for h, t in zip(heads, targets)]
+        return self._verified(keys, views, frames, statuses, sizes)
+
+    def _verified(self, keys: list[bytes], views: list[memoryview], frames: Sequence[tuple[memoryview, memoryview]],
+                  statuses: list[p.Status], sizes: list[int]) -> list[bool]:
+        """Each got frame checked (a chunk staged in the arena delivered to its view once good); a
+        view that received bytes that failed is zeroed, and the key remembered as refused."""
+        framer = self.backend.framer
         ok: list[bool] = []
         refused: list[bytes] = []
         for key, view, (head, body), status, size in zip(keys, views, frames, statuses, sizes):

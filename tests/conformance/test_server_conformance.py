@@ -11,8 +11,9 @@ and verifies every chunk, so the kit's checksum test runs: ``corrupt_chunk``
 reads a chunk's stored frame with a raw client, flips one payload byte and
 writes it back, as another client of the server could. The client runs with
 ``overwrite: true`` (the kit's overwrite test expects a put to replace a
-chunk). Subclasses repeat the kit with a ``mac_key``, and over the NIXL data
-path when NIXL works on this machine.
+chunk). Subclasses repeat the kit with requests pipelined (one chunk per
+request, three in flight), with a ``mac_key``, and over the NIXL data path
+when NIXL works on this machine.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from tiercache.testing.payloads import SENTINEL
 class TestServerConformance(BackendConformance):
     persistent = False
     server_options: ClassVar[dict[str, Any]] = {}
-    client_options: ClassVar[dict[str, Any]] = {"data_path": "tcp", "overwrite": True}
+    # one request at a time (TestServerConformancePipelined runs the kit with several in flight)
+    client_options: ClassVar[dict[str, Any]] = {"data_path": "tcp", "overwrite": True, "pipeline_depth": 1}
 
     @pytest.fixture(autouse=True)
     def _servers(self) -> Iterator[None]:
@@ -116,6 +118,14 @@ class TestServerConformanceNixl(TestServerConformance):
         assert self.put(backend, chunks).ok
         self.assert_loads(backend, chunks)
         assert backend.stats()["nixl_connections"] >= 1
+
+
+class TestServerConformancePipelined(TestServerConformance):
+    """The kit with every chunk its own request and up to three requests in flight per connection."""
+
+    client_options: ClassVar[dict[str, Any]] = {
+        "data_path": "tcp", "overwrite": True, "pipeline_depth": 3, "pipeline_request_bytes": 1,
+    }
 
 
 class TestServerConformanceMac(TestServerConformance):

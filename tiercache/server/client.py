@@ -1,8 +1,15 @@
-"""A blocking client connection to the cache server: one socket, one request at a time.
+"""A blocking client connection to the cache server: one socket, requests answered in order.
 
 Used by the client tier (:mod:`tiercache.backends.server.backend`, one connection per
 I/O thread), by ``tiercache inspect`` and ``tiercache bench server``, and by
-the tests. Each call sends one request and reads its reply. With a TLS
+the tests. Each call sends one request and reads its reply. PUT and GET can
+also be pipelined: :meth:`ServerClient.send_put` / :meth:`ServerClient.send_get`
+send a request and return a :class:`Pending` at once, and
+:meth:`ServerClient.finish` reads its reply later; the server answers a
+connection's requests in the order sent, so replies are read oldest first
+(each checked against its request id), and the caller decides how many are in
+flight (a GET's request is small and a PUT's reply is small, so neither side
+blocks the other's sends). With a TLS
 context (:func:`tiercache.server.tls.client_context`) the connection is TLS,
 the server's certificate and name verified before HELLO is sent. PUT values are
 sent straight from the caller's buffers (``sendmsg``, no concatenation) and
@@ -26,7 +33,9 @@ import select
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from tiercache.server import protocol as p
@@ -57,6 +66,21 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+@dataclass(eq=False, slots=True)
+class Pending:
+    """A PUT or GET sent on a connection whose reply is not read yet.
+
+    ``views``: a GET's destination pieces per key (written only by
+    :meth:`ServerClient.finish`); empty for a PUT. Belongs to the client
+    connection that sent it: a reconnect or any error drops every pending request.
+    """
+
+    msg_type: p.MsgType
+    request_id: int
+    keys: int
+    views: list[list[memoryview]] = field(default_factory=list)
+
+
 class ServerClient:
     def __init__(
         self,
@@ -85,6 +109,7 @@ class ServerClient:
         self.welcome: p.Welcome | None = None
         self._stream: SyncStream | None = None
         self._ids = itertools.count(1)
+        self._pending: deque[Pending] = deque()  # sent, reply not read yet, oldest first
 
     # ------------------------------------------------------------------ connection
     @property
@@ -102,6 +127,8 @@ class ServerClient:
         stream = self._stream
         if stream is None:
             return True
+        if self._pending:  # not at rest: what is readable may be a reply
+            return False
         if stream.has_pending():
             return True
         try:  # poll, not select: a process may hold more than FD_SETSIZE sockets
@@ -133,7 +160,13 @@ class ServerClient:
         self.welcome = self._call(p.MsgType.HELLO, hello, p.Welcome)
         return self.welcome
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent whose replies are not read yet."""
+        return len(self._pending)
+
     def close(self) -> None:
+        self._pending.clear()
         if self._stream is not None:
             self._stream.close()
             self._stream = None
@@ -153,10 +186,15 @@ class ServerClient:
     def put(self, keys: Sequence[bytes], values: Sequence[_Value], overwrite: bool = False) -> list[p.Status]:
         """Store ``values[i]`` under ``keys[i]``; a status per key (PRESENT: held already and
         kept, unless ``overwrite``)."""
+        statuses, _ = self.finish(self.send_put(keys, values, overwrite))
+        return statuses
+
+    def send_put(self, keys: Sequence[bytes], values: Sequence[_Value], overwrite: bool = False) -> Pending:
+        """Send a PUT without waiting for its reply (:meth:`finish` reads it). The values are
+        sent before this returns: the caller may reuse their buffers at once."""
         pieces = [_pieces(v) for v in values]
         body = p.Put(list(keys), [sum(map(len, v)) for v in pieces], overwrite)
-        reply = self._call(p.MsgType.PUT, body, p.PutReply, payload=[x for v in pieces for x in v])
-        return _statuses(reply.status, len(keys))
+        return self._send(p.MsgType.PUT, body, len(keys), payload=[x for v in pieces for x in v])
 
     def put_remote(
         self, keys: Sequence[bytes], sizes: Sequence[int], addrs: Sequence[int], overwrite: bool = False,
@@ -169,20 +207,41 @@ class ServerClient:
 
     def get(self, keys: Sequence[bytes], views: Sequence[_Value]) -> tuple[list[p.Status], list[int]]:
         """Read each key into ``views[i]`` (its first ``sizes[i]`` bytes); statuses and sizes."""
+        return self.finish(self.send_get(keys, views))
+
+    def send_get(self, keys: Sequence[bytes], views: Sequence[_Value]) -> Pending:
+        """Send a GET without waiting; :meth:`finish` receives the values into ``views``
+        (which the caller must leave alone until then)."""
         pieces = [_pieces(v) for v in views]
         body = p.Get(list(keys), [sum(map(len, v)) for v in pieces])
+        return self._send(p.MsgType.GET, body, len(keys), views=pieces)
+
+    def finish(self, pending: Pending) -> tuple[list[p.Status], list[int]]:
+        """Read the reply of ``pending``, the oldest request in flight: its statuses, and for a
+        GET the value sizes (a PUT's sizes are empty), the values received into its views.
+
+        Any error closes the connection (every other pending request is lost with it); a
+        GET's views it may have written into are zeroed first.
+        """
+        if not self._pending or self._pending[0] is not pending or self._stream is None:
+            self.close()
+            raise ConnectionError("not the oldest request in flight on this connection")
+        self._pending.popleft()
         written: list[memoryview] = []
         try:
-            stream = self._begin(p.MsgType.GET, body)
-            reply = self._finish(p.MsgType.GET, stream, p.GetReply, payload_ok=True)
-            statuses = _statuses(reply.status, len(keys))
-            if len(reply.sizes) != len(keys):
+            stream = self._stream
+            if pending.msg_type is p.MsgType.PUT:
+                reply = self._finish(p.MsgType.PUT, stream, p.PutReply, False, pending.request_id)
+                return _statuses(reply.status, pending.keys), []
+            got = self._finish(p.MsgType.GET, stream, p.GetReply, True, pending.request_id)
+            statuses = _statuses(got.status, pending.keys)
+            if len(got.sizes) != pending.keys:
                 raise p.MalformedBody("GET reply sizes do not match the keys")
-            expected = sum(size for status, size in zip(statuses, reply.sizes) if status is p.Status.OK)
+            expected = sum(size for status, size in zip(statuses, got.sizes) if status is p.Status.OK)
             if expected != self._payload_len:
                 raise p.MalformedBody(f"GET reply carries {self._payload_len} bytes, sizes say {expected}")
             targets: list[memoryview] = []
-            for value, status, size in zip(pieces, statuses, reply.sizes):
+            for value, status, size in zip(pending.views, statuses, got.sizes):
                 if status is p.Status.OK:
                     room = sum(map(len, value))
                     if size > room:
@@ -190,7 +249,7 @@ class ServerClient:
                     written += value
                     targets += _prefix(value, size)
             stream.read_into_many(targets)  # straight into the caller's views, scattered
-            return statuses, list(reply.sizes)
+            return statuses, list(got.sizes)
         except BaseException:
             for view in written:
                 view[:] = bytes(len(view))
@@ -238,17 +297,30 @@ class ServerClient:
         self._call(p.MsgType.AGENT_META, p.AgentMeta(metadata), p.Ack)
 
     # ------------------------------------------------------------------ framing
-    def _call(self, msg_type: p.MsgType, body: p._Body, reply_cls: type[R],
-              payload: Sequence[memoryview] = (), spin: bool = False) -> R:
+    def _call(self, msg_type: p.MsgType, body: p._Body, reply_cls: type[R], spin: bool = False) -> R:
+        """One request and its reply, nothing else in flight."""
         try:
-            stream = self._begin(msg_type, body, payload)
+            if self._pending:
+                raise ConnectionError(f"{len(self._pending)} pipelined requests still in flight")
+            stream, request_id = self._begin(msg_type, body)
             if spin and self.nixl_progress is not None:
                 self._progress_until_readable(stream)
-            reply = self._finish(msg_type, stream, reply_cls, payload_ok=False)
+            reply = self._finish(msg_type, stream, reply_cls, False, request_id)
         except BaseException:
             self.close()
             raise
         return reply
+
+    def _send(self, msg_type: p.MsgType, body: p._Body, keys: int, payload: Sequence[memoryview] = (),
+              views: list[list[memoryview]] | None = None) -> Pending:
+        try:
+            _, request_id = self._begin(msg_type, body, payload)
+        except BaseException:
+            self.close()
+            raise
+        pending = Pending(msg_type, request_id, keys, views or [])
+        self._pending.append(pending)
+        return pending
 
     def _progress_until_readable(self, stream: SyncStream) -> None:
         """Drive the NIXL agent until the reply starts arriving (bounded by the timeout)."""
@@ -264,19 +336,23 @@ class ServerClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no reply within {self.timeout_s}s")
 
-    def _begin(self, msg_type: p.MsgType, body: p._Body, payload: Sequence[memoryview] = ()) -> SyncStream:
+    def _begin(self, msg_type: p.MsgType, body: p._Body,
+               payload: Sequence[memoryview] = ()) -> tuple[SyncStream, int]:
         if self._stream is None:
             raise ConnectionError("not connected")
-        self._request_id = next(self._ids) & 0xFFFFFFFF
+        request_id = next(self._ids) & 0xFFFFFFFF
+        if request_id == 0:  # wrapped: 0 names the connection in an ERROR, never a request
+            request_id = next(self._ids) & 0xFFFFFFFF
         size = sum(len(v) for v in payload)
-        self._stream.send([p.frame(msg_type, self._request_id, body, size), *payload])
-        return self._stream
+        self._stream.send([p.frame(msg_type, request_id, body, size), *payload])
+        return self._stream, request_id
 
-    def _finish(self, msg_type: p.MsgType, stream: SyncStream, reply_cls: type[R], payload_ok: bool) -> R:
+    def _finish(self, msg_type: p.MsgType, stream: SyncStream, reply_cls: type[R], payload_ok: bool,
+                request_id: int) -> R:
         header = p.unpack_header(stream.read(p.HEADER_BYTES), CLIENT_LIMITS, replies=True)
         connection_error = header.type == p.MsgType.ERROR and header.request_id == 0
-        if header.request_id != self._request_id and not connection_error:
-            raise p.ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
+        if header.request_id != request_id and not connection_error:
+            raise p.ProtocolError(f"reply to request {header.request_id}, expected {request_id}")
         body_bytes = stream.read(header.body_len)
         if header.type == p.MsgType.ERROR:
             error = p.decode_body(p.ErrorReply, body_bytes)
