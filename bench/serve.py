@@ -30,9 +30,15 @@ throughput and TTFT p50/p99 of every case in one table, with each case's ratio
 to the ideal (throughput ratio, TTFT p50 ratio; the issue's targets: >= 0.95
 and <= 1.1x), vLLM's prefix-cache hit rate and tiercache's hits per tier (as
 a share of the prompt tokens). Written: bench/results/<--out>.json and the
-ratios drawn beside it (<--out>_ratios.svg / .png). A multi-turn variant is
-not offered: vLLM 0.32's load generator has no multi-turn dataset (its
-multi-turn tool lives in the vLLM source tree, not in the wheel).
+ratios drawn beside it (<--out>_ratios.svg / .png).
+
+``--turns T`` adds a multi-turn cell per prefix length and concurrency, on the
+same servers (bench/serve_turns.py): NUM_PREFIXES conversations whose first
+prompt is PREFIX_LEN random words, each later turn's prompt the previous
+prompt, the server's answer (OUTPUT_LEN tokens) and SUFFIX_LEN new words,
+driven turn by turn through the load generator's ``custom`` dataset (vLLM
+0.32's load generator has no multi-turn dataset of its own); the earlier
+turns' KV, decode tokens included, is what a turn can reuse.
 
 Every case's compute threads run on the same cores (VLLM_CPU_OMP_THREADS_BIND,
 default every core but the last): vLLM's CPU platform reserves one more core
@@ -66,7 +72,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script (python bench/serve.py): import `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common, serve_report, serve_stack
+from bench import common, serve_report, serve_stack, serve_turns
 
 CASES = ("ideal", "none", "host", "disk", "redis", "server")
 QUICK = {"model": "tiny", "prefix_lens": [512], "concurrency": [2], "num_prefixes": 8, "prompts": 16,
@@ -107,6 +113,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="host tier of the host case (default: twice every token of a run)")
     parser.add_argument("--small-host-size", type=common.size_arg, default=None,
                         help="host tier in front of disk/redis/server (default: a quarter of the working set)")
+    parser.add_argument("--turns", type=int, default=0,
+                        help="also run NUM_PREFIXES multi-turn conversations of this many turns in every cell "
+                        "(default 0: none; the issue's variant: 4)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tiercache's chunk (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first cell's prompts (default 0)")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a server to start")
@@ -185,7 +194,9 @@ def serve_case(args: argparse.Namespace, case: str, prefix_len: int, ctx: dict[s
         redis_url=stores.redis() if case == "redis" else None,
         server_address=stores.server() if case == "server" else None)
     blocks = sizes.ideal_blocks if case == "ideal" else sizes.engine_blocks
-    max_len = (prefix_len + args.suffix_len + args.output_len + 2 * serve_stack.BLOCK) // 32 * 32
+    longest = max(prefix_len + args.suffix_len, serve_turns.max_prompt_tokens(
+        prefix_len, args.suffix_len, args.output_len, args.turns)) + args.output_len
+    max_len = (longest + 2 * serve_stack.BLOCK) // 32 * 32
     server = serve_stack.OpenAIServer(ctx["model"], args.model, blocks=blocks,
                                       kv_space_gib=sizes.kv_space_gib(blocks), max_model_len=max_len,
                                       kv_transfer=kv, log=work / "server.log", dtype=args.dtype)
@@ -218,6 +229,20 @@ def serve_case(args: argparse.Namespace, case: str, prefix_len: int, ctx: dict[s
                        loadgen=result)
             runs.append(run)
             outer.update(1)
+        for conc in args.concurrency if args.turns else ():
+            outer.set_postfix_str(f"{case} {prefix_len}, c={conc}: {args.turns} turns")
+            server.reset()
+            before = server.metrics()
+            result = serve_turns.run_conversations(
+                server, args.model, ctx["model"], vocab_size=ctx["vocab_size"], conversations=args.num_prefixes,
+                turns=args.turns, **common_load, concurrency=conc, seed=cell_seed(args, prefix_len, conc) + 500,
+                work=work, bar=inner, timeout=args.run_timeout)
+            run = serve_report.summarize_run(case, prefix_len, conc, result,
+                                             serve_report.metric_deltas(before, server.metrics()))
+            run.update(workload=serve_report.MULTI_TURN, turns=result["turns"], engine_blocks=blocks,
+                       server_start_s=round(start_s, 1), workdir=str(work), server_command=server.command)
+            runs.append(run)
+            outer.update(1)
     finally:
         server.stop()
     return runs
@@ -240,12 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "or a smaller --engine-kv-fraction, make tiercache matter)")
     runs: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
-    total = len(args.cases) * len(args.prefix_lens) * len(args.concurrency)
+    total = len(args.cases) * len(args.prefix_lens) * len(args.concurrency) * (2 if args.turns else 1)
     largest = max(sizes.values(), key=lambda s: s.store_bytes)
     with ExitStack() as stack:
         heads = max(1, int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 1))
         stores = Stores(work, stack, largest.store_bytes, args.chunk_tokens * bytes_per_token // heads)
-        ctx = {"work": work, "model": model, "sizes": sizes, "stores": stores}
+        ctx = {"work": work, "model": model, "sizes": sizes, "stores": stores,
+               "vocab_size": int(config["vocab_size"])}
         outer = stack.enter_context(common.progress(args, total, "runs", "run", position=0))
         inner = stack.enter_context(common.progress(args, args.prompts, "requests", "req", position=1,
                                                     leave=False))
@@ -266,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        title=f"{args.model} ({args.dtype}), {args.prompts} prompts: ratios to the ideal")
     for run in runs:  # the ideal is only the ideal if every repeat was a prefix-cache hit
         most = ideal_hit_fraction(args, run["prefix_len"], run["total_input_tokens"])
+        if run.get("workload") == serve_report.MULTI_TURN:
+            continue  # a turn's hit is the conversation so far: no simple bound to check
         if run["case"] == "ideal" and (run["vllm_hit_fraction"] or 0) < 0.98 * most:
             print(f"WARNING: the ideal at {run['prefix_len']}, c={run['concurrency']} hit "
                   f"{(run['vllm_hit_fraction'] or 0) * 100:.0f}% of the prompt tokens, below the "

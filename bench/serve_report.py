@@ -2,7 +2,9 @@
 
 Starts nothing and needs no engine, so tests/unit/test_serve_bench.py runs it
 on a canned result. One *run* is one case (``none``, ``host``, ``disk``,
-``redis``, ``server``, ``ideal``) at one *cell* (prefix length, concurrency):
+``redis``, ``server``, ``ideal``) at one *cell* (workload, prefix length,
+concurrency; the workload is ``prefix_repetition`` or ``multi_turn``,
+bench/serve_turns.py, whose runs merge every turn's result into one):
 the JSON ``vllm bench serve --save-result`` wrote (``vllm.benchmarks.serve``;
 keys ``request_throughput``, ``median_ttft_ms``, ``p99_ttft_ms``,
 ``completed``, ``failed``, ``total_input_tokens``) plus the deltas of the
@@ -24,7 +26,9 @@ from typing import Any
 THROUGHPUT_TARGET = 0.95  # >= this fraction of the ideal's request throughput
 TTFT_TARGET = 1.10  # TTFT p50 <= this multiple of the ideal's
 IDEAL = "ideal"
-HEADERS = ["case", "prefix, conc", "req/s", "TTFT p50 ms", "TTFT p99 ms", "req/s / ideal", "p50 / ideal",
+PREFIX_REPETITION = "prefix_repetition"
+MULTI_TURN = "multi_turn"
+HEADERS = ["case", "prefix (turns), conc", "req/s", "TTFT p50 ms", "TTFT p99 ms", "req/s / ideal", "p50 / ideal",
            "vLLM hits", "tiercache hits", "target"]
 
 
@@ -33,9 +37,15 @@ def prefix_label(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
 
 
-def cell_label(prefix_len: int, concurrency: int) -> str:
-    """The name of one cell on the plot: ``"1k prefix, c=2"``."""
-    return f"{prefix_label(prefix_len)} prefix, c={concurrency}"
+def cell_of(run: Mapping[str, Any]) -> tuple[str, int, int]:
+    """A run's cell: (workload, prefix length, concurrency); runs without a workload repeat prefixes."""
+    return run.get("workload", PREFIX_REPETITION), run["prefix_len"], run["concurrency"]
+
+
+def cell_label(prefix_len: int, concurrency: int, workload: str = PREFIX_REPETITION) -> str:
+    """The name of one cell on the plot: ``"1k prefix, c=2"``, ``"1k multi-turn, c=2"``."""
+    kind = "multi-turn" if workload == MULTI_TURN else "prefix"
+    return f"{prefix_label(prefix_len)} {kind}, c={concurrency}"
 
 
 def metric_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
@@ -95,10 +105,10 @@ def summarize_run(case: str, prefix_len: int, concurrency: int, result: Mapping[
 
 def add_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each run with ``throughput_ratio`` and ``ttft_p50_ratio`` to the ideal run of its cell (None without one)."""
-    ideal = {(r["prefix_len"], r["concurrency"]): r for r in runs if r["case"] == IDEAL}
+    ideal = {cell_of(r): r for r in runs if r["case"] == IDEAL}
     out: list[dict[str, Any]] = []
     for run in runs:
-        ref = ideal.get((run["prefix_len"], run["concurrency"]))
+        ref = ideal.get(cell_of(run))
         thr = ttft = None
         if ref is not None and ref["request_throughput"] > 0 and ref["ttft_p50_ms"] > 0:
             thr = run["request_throughput"] / ref["request_throughput"]
@@ -124,12 +134,18 @@ def table_rows(runs: Sequence[Mapping[str, Any]]) -> list[list[str]]:
         target = {True: "yes", False: "NO", None: "-"}[r["meets_target"]]
         failed = f" ({r['failed']} failed)" if r["failed"] else ""
         rows.append([
-            r["case"] + failed, f"{prefix_label(r['prefix_len'])}, c={r['concurrency']}",
+            r["case"] + failed, _cell_text(r),
             f"{r['request_throughput']:.2f}", f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}",
             ratio(r["throughput_ratio"], "{:.2f}x"), ratio(r["ttft_p50_ratio"], "{:.2f}x"),
             "-" if vllm_hits is None else f"{vllm_hits * 100:.0f}%", _hits(r), target,
         ])
     return rows
+
+
+def _cell_text(run: Mapping[str, Any]) -> str:
+    workload, prefix_len, concurrency = cell_of(run)
+    turns = f" {len(run['turns'])} turns" if workload == MULTI_TURN and run.get("turns") else ""
+    return f"{prefix_label(prefix_len)}{turns}, c={concurrency}"
 
 
 def draw_ratios(runs: Sequence[Mapping[str, Any]], stem: Path, title: str) -> list[Path]:
@@ -148,10 +164,10 @@ def draw_ratios(runs: Sequence[Mapping[str, Any]], stem: Path, title: str) -> li
     plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "tiercache", "font.size": 9,
                          "font.family": "sans-serif", "font.sans-serif": ["DejaVu Sans"]})
     cases = list(dict.fromkeys(r["case"] for r in runs if r["case"] != IDEAL and r["throughput_ratio"] is not None))
-    cells = list(dict.fromkeys((r["prefix_len"], r["concurrency"]) for r in runs))
+    cells = list(dict.fromkeys(cell_of(r) for r in runs))
     if not cases:
         return []
-    by = {(r["case"], r["prefix_len"], r["concurrency"]): r for r in runs}
+    by = {(r["case"], *cell_of(r)): r for r in runs}
     bar = 0.8 / len(cells)
     height = 1.4 + len(cases) * (0.16 * len(cells) + 0.25)
     fig, axes = plt.subplots(1, 2, figsize=(11, height), sharey=True)
@@ -169,7 +185,7 @@ def draw_ratios(runs: Sequence[Mapping[str, Any]], stem: Path, title: str) -> li
                     continue
                 y = len(cases) - 1 - g + 0.4 - bar * (s + 0.5)
                 ax.barh(y, run[key], height=bar * 0.92, color=COLOURS[s % len(COLOURS)],
-                        label=None if labelled else cell_label(*cell))
+                        label=None if labelled else cell_label(cell[1], cell[2], cell[0]))
                 labelled = True
                 ax.text(run[key] + xmax * 0.006, y, f"{run[key]:.2f}", va="center", fontsize=7)
         ax.axvline(1.0, color="black", linewidth=1.2)
