@@ -122,14 +122,16 @@ def recover_lower_tiers(
 def ask_shared_tiers(shared: SharedLookup, st: RequestState, token: str, keys: list[bytes], hits: int,
                      manager: OffloadingManager, any_of: Sequence[bytes] = ()) -> int | None:
     """Scheduler: extend a request's local hit with what the shared tiers hold; None while they are
-    asked (never blocks: tiercache/tiers/shared_lookup.py). Asked once per request. ``any_of``:
-    keys asked about one by one (a state-layer model's state keys), learned wherever present."""
+    asked (the first call waits at most ``deadlines.lookup_wait_s``, later ones not at all:
+    tiercache/tiers/shared_lookup.py). Asked once per request. ``any_of``: keys asked about one by
+    one (a state-layer model's state keys), learned wherever present."""
     if st.shared_asked:
         return hits
     if not shared.asking(token):
         shared.ask(token, keys[hits:], any_of)
-        return None
-    answer = shared.answer(token)
+        answer = shared.answer(token, wait_s=shared.first_wait_s)
+    else:
+        answer = shared.answer(token)
     if answer is None:
         return None
     st.shared_asked = True

@@ -82,7 +82,8 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         shared = make_backends(config, geometry, self.keys.digest, rank=0, shared_only=True,
                                shards=geometry.engine.group_shard_set())
         self._shared: SharedLookup | None = \
-            SharedLookup(shared, timeout_s=config.deadlines.lookup_s) if shared else None
+            SharedLookup(shared, timeout_s=config.deadlines.lookup_s,
+                         first_wait_s=config.deadlines.lookup_wait_s) if shared else None
         self.metrics.label(self.metrics.capacity_bytes, host.name).set(
             geometry.host_slots * geometry.slot_bytes
         )
@@ -147,7 +148,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
             asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
                                      self.manager, state_keys)
             if asked is None:
-                return None, False  # vLLM asks again on a later step; the scheduler never waits
+                return None, False  # vLLM asks again on a later step (waited at most lookup_wait_s)
             hits = asked
         if self._state_groups:  # a hit ends where a chunk's end state is stored
             hits = state_hit_chunks(keys, hits, request.num_tokens - 1, self.chunk_tokens, self.keys.state_key,

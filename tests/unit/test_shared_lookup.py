@@ -80,3 +80,24 @@ def test_any_of_keys_are_answered_one_by_one_after_the_prefix() -> None:
     lookup.ask("r", [k(0), k(1)], any_of=[k(10), k(11), k(12)])
     assert wait_answer(lookup, "r") == {"t": [k(0), k(10), k(12)]}
     lookup.close()
+
+
+def test_the_first_answer_waits_briefly_and_no_longer() -> None:
+    """A store that answers within ``first_wait_s`` is answered in the same call (the request is
+    scheduled this step); a slower one is not waited for past it; later calls never wait."""
+    quick = SlowTier(0.003)
+    quick.submit_put(1, [k(0)], [memoryview(bytearray(8))])
+    lookup = SharedLookup({"quick": quick}, timeout_s=1.0, first_wait_s=0.5)
+    lookup.ask("r", [k(0), k(1)])
+    assert lookup.answer("r", wait_s=lookup.first_wait_s) == {"quick": [k(0)]}
+    lookup.ask("no-wait", [k(0)])
+    assert lookup.answer("no-wait") is None  # control: the same store, asked without the wait
+    assert wait_answer(lookup, "no-wait") == {"quick": [k(0)]}
+    slow = SharedLookup({"slow": SlowTier(0.5)}, timeout_s=1.0, first_wait_s=0.02)
+    slow.ask("s", [k(0)])
+    t0 = time.monotonic()
+    assert slow.answer("s", wait_s=10.0) is None  # bounded by first_wait_s, whatever is asked
+    assert time.monotonic() - t0 < 0.2
+    assert SharedLookup({}, timeout_s=0.01, first_wait_s=5.0).first_wait_s == 0.01  # never past the deadline
+    for one in (lookup, slow):
+        one.close()

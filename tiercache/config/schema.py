@@ -158,6 +158,12 @@ class DeadlineConfig(_Frozen):
         "within this many seconds holds none of them for that request (a miss); the request waits "
         "for the answer at most this long.",
     )
+    lookup_wait_s: float = Field(
+        default=0.005, ge=0, le=1.0,
+        description="How long the scheduler waits for the shared tiers' answer when it first asks "
+        "about a request (0: never; vLLM then asks again next step, a forward pass later). A store "
+        "on this host or rack answers within a few milliseconds, so the hit is scheduled at once.",
+    )
 
 
 class MetricsConfig(_Frozen):

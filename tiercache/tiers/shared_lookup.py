@@ -1,12 +1,16 @@
 """Asynchronous lookups in shared tiers (Redis, the cache server), off the scheduler thread.
 
 A shared tier is written by other engines too, so the manager cannot know what
-it holds; it has to ask. Asking must never block vLLM's scheduler (docs/architecture.md,
-Shared tiers): :meth:`SharedLookup.ask` starts a ``Backend.contains`` call on a
-small thread pool and returns at once, the connector answers vLLM "not yet"
-(``None``), and on a later step :meth:`answer` hands back which leading keys
-each tier holds. A tier that does not answer within ``timeout_s`` or fails
-counts as holding nothing (a miss, never an error).
+it holds; it has to ask. Asking must never hold up vLLM's scheduler for long
+(docs/architecture.md, Shared tiers): :meth:`SharedLookup.ask` starts a
+``Backend.contains`` call on a small thread pool and returns at once; the
+first :meth:`answer` may wait up to ``first_wait_s`` (a few milliseconds: a
+store on the same host or rack answers within them, and the request is then
+scheduled in this step instead of the next, which on a busy engine is a
+whole forward pass later); after that the connector answers vLLM "not yet"
+(``None``) and a later step's :meth:`answer` hands back which leading keys each
+tier holds, without waiting. A tier that does not answer within ``timeout_s``
+or fails counts as holding nothing (a miss, never an error).
 
 Threading: ``ask``/``answer``/``forget``/``close`` from the scheduler thread;
 ``contains`` runs on the pool threads (backends must allow that).
@@ -17,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from tiercache import faults
 from tiercache.backend import Backend
@@ -26,9 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 class SharedLookup:
-    def __init__(self, backends: dict[str, Backend], timeout_s: float = 1.0) -> None:
+    def __init__(self, backends: dict[str, Backend], timeout_s: float = 1.0, first_wait_s: float = 0.0) -> None:
         self.backends = backends
         self.timeout_s = timeout_s
+        self.first_wait_s = min(first_wait_s, timeout_s)  # the longest one answer() call may wait
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="tiercache-lookup")
         self._pending: dict[str, tuple[float, Sequence[bytes], Sequence[bytes], dict[str, Future[list[bool]]]]] = {}
 
@@ -41,10 +46,12 @@ class SharedLookup:
         futures = {name: self._pool.submit(backend.contains, asked) for name, backend in self.backends.items()}
         self._pending[token] = (time.monotonic(), tuple(keys), tuple(any_of), futures)
 
-    def answer(self, token: str) -> dict[str, list[bytes]] | None:
+    def answer(self, token: str, wait_s: float = 0.0) -> dict[str, list[bytes]] | None:
         """Per tier, the leading ``keys`` it holds and the ``any_of`` keys it holds; None while some
-        tier is still thinking."""
+        tier is still thinking after ``wait_s`` seconds (at most ``first_wait_s``; 0: no wait)."""
         started, keys, any_of, futures = self._pending[token]
+        if wait_s > 0:
+            wait(futures.values(), timeout=min(wait_s, self.first_wait_s))
         late = time.monotonic() - started > self.timeout_s
         if not late and not all(f.done() for f in futures.values()):
             return None
