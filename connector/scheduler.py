@@ -146,7 +146,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
             if self._state_groups else []
         if self._shared is not None and (hits < len(keys) or state_keys):
             asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
-                                     self.manager, state_keys)
+                                     self.manager, state_keys, own_chunks=num_computed_tokens // self.chunk_tokens)
             if asked is None:
                 return None, False  # vLLM asks again on a later step (waited at most lookup_wait_s)
             hits = asked

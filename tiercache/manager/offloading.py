@@ -112,6 +112,11 @@ class OffloadingManager:
         self._lookup_hits += hits
         return hits
 
+    def busy_in_host(self, key: bytes) -> bool:
+        """Whether ``key`` is being written into the host tier right now (a store, or a load
+        staging it from a lower tier): :meth:`lookup` stops there until that copy is reported."""
+        return key in self.host.storing
+
     # -------------------------------------------------------------------- load
     def _load_source(self, key: bytes) -> TierDirectory:
         """The tier a load of ``key`` reads: the one already pinned, else the first READY.
