@@ -12,8 +12,9 @@ Over TCP a part goes as requests of ``pipeline_request_bytes`` with up to
 the next request is framed and sent while the server handles the one
 before; replies come in order, each checked against its request id by the
 client); over NIXL one request at a time. The thread reads a put's views
-and writes a get's views only while it runs their part; every value is a frame (:mod:`.frames`: built on put, verified on
-get before the key counts as loaded); over NIXL a chunk in registered memory
+and writes a get's views only while it runs their part; every value is a
+frame (:mod:`.frames`: built on put, verified on get before the key counts
+as loaded); over NIXL a chunk in registered memory
 moves in place and any other through the arena that is this thread's own
 (index ``index`` of the backend's
 :class:`~tiercache.server.nixl_client.NixlClientSide`), the frame header
@@ -230,8 +231,8 @@ class Worker:
             sub_keys = [keys[i] for i in sub]
             sub_views = [views[i] for i in sub]
             if is_put:
-                overwrite = self.backend.settings.overwrite or self.backend.take_refused(sub_keys)
-                sent.append((sub, client.send_put(sub_keys, framer.put_values(sub_keys, sub_views), overwrite), []))
+                values = framer.put_values(sub_keys, sub_views)
+                sent.append((sub, client.send_put(sub_keys, values, self._overwrite(sub_keys)), []))
             else:
                 frames = framer.get_values(sub_keys, sub_views)
                 sent.append((sub, client.send_get(sub_keys, frames), frames))
@@ -260,10 +261,13 @@ class Worker:
             return False
         return Framer.staged_bytes(views, nixl.locate) <= nixl.arena_bytes
 
+    def _overwrite(self, keys: list[bytes]) -> bool:
+        """Whether a put of ``keys`` replaces the server's copies: the setting, or any key whose stored
+        copy failed our check (else a damaged or forged chunk stays a miss until evicted)."""
+        return self.backend.settings.overwrite or self.backend.take_refused(keys)
+
     def _put(self, client: ServerClient, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        # A chunk whose stored copy failed our check is replaced by this store whatever the
-        # overwrite policy (else a damaged or forged chunk stays a miss until evicted).
-        overwrite = self.backend.settings.overwrite or self.backend.take_refused(keys)
+        overwrite = self._overwrite(keys)
         framer = self.backend.framer
         values = framer.put_values(keys, views)
         if not self._use_nixl(keys, views):

@@ -15,7 +15,6 @@ import json
 import os
 import pathlib
 import random
-import shutil
 from typing import Any
 
 import pytest
@@ -27,13 +26,6 @@ from tiercache.testing.word_tokenizer import write_word_tokenizer
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 CANNED = {case: DATA / f"serve_loadgen_{case}.json" for case in ("ideal", "none", "host")}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    model = tmp_path_factory.mktemp("tiny")
-    shutil.copyfile(config_path("tiny"), model / "config.json")
-    return write_word_tokenizer(model)
 
 
 def test_word_tokenizer_round_trips_every_id_of_the_tiny_vocabulary(tiny_dir: pathlib.Path) -> None:

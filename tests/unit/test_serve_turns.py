@@ -13,23 +13,13 @@ from __future__ import annotations
 
 import pathlib
 import random
-import shutil
 
 import numpy as np
 import pytest
 
 from bench import serve_report, serve_turns
-from tiercache.testing.random_llama import config_path
-from tiercache.testing.word_tokenizer import write_word_tokenizer
 
 VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    model = tmp_path_factory.mktemp("tiny")
-    shutil.copyfile(config_path("tiny"), model / "config.json")
-    return write_word_tokenizer(model)
 
 
 def test_a_turn_is_the_last_prompt_its_answer_and_new_words(tiny_dir: pathlib.Path) -> None:
