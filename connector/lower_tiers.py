@@ -14,7 +14,6 @@ ConfigError at start-up, naming the tier.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 from tiercache.backend import Backend, BackendContext
@@ -121,32 +120,22 @@ def recover_lower_tiers(
 
 
 def ask_shared_tiers(shared: SharedLookup, st: RequestState, token: str, keys: list[bytes], hits: int,
-                     manager: OffloadingManager, any_of: Sequence[bytes] = (), own_chunks: int = 0) -> int | None:
+                     manager: OffloadingManager, any_of: Sequence[bytes] = ()) -> int | None:
     """Scheduler: extend a request's local hit with what the shared tiers hold; None while they are
     asked (the first call waits at most ``deadlines.lookup_wait_s``, later ones not at all:
     tiercache/tiers/shared_lookup.py). Asked once per request. ``any_of``: keys asked about one by
-    one (a state-layer model's state keys), learned wherever present. ``own_chunks``: the leading
-    chunks vLLM's own prefix cache holds (a busy chunk among them is not waited for)."""
+    one (a state-layer model's state keys), learned wherever present."""
     if st.shared_asked:
         return hits
-    if st.shared_answered_at is None:
-        if not shared.asking(token):
-            shared.ask(token, keys[hits:], any_of)
-            answer = shared.answer(token, wait_s=shared.first_wait_s)
-        else:
-            answer = shared.answer(token)
-        if answer is None:
-            return None
-        st.shared_answered_at = time.monotonic()
-        for tier, present in answer.items():
-            if present:
-                manager.cascade.learn(tier, present)
-    found = manager.lookup(keys) or 0
-    if own_chunks <= found < len(keys) and manager.busy_in_host(keys[found]) \
-            and time.monotonic() - st.shared_answered_at < shared.timeout_s:
-        # The hit stops at a chunk still being written into the host tier: typically an earlier
-        # load's late report after a stall, or another request staging the same chunk. It is
-        # ready within a step or two; deciding now would recompute it. Ask vLLM to come back.
+    if not shared.asking(token):
+        shared.ask(token, keys[hits:], any_of)
+        answer = shared.answer(token, first=True)
+    else:
+        answer = shared.answer(token)
+    if answer is None:
         return None
+    for tier, present in answer.items():
+        if present:
+            manager.cascade.learn(tier, present)
     st.shared_asked = True
-    return found
+    return manager.lookup(keys) or 0

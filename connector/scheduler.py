@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.kv_groups import load_segments, null_block_id, state_group_indices
+from tiercache.connector.lookup_hold import hold_for_busy_chunk
 from tiercache.connector.lower_tiers import ask_shared_tiers, lower_tier_specs, make_backends, recover_lower_tiers
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.pd.roles import GroupBlockIds, SchedulerPD, pd_settings
@@ -146,10 +147,14 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
             if self._state_groups else []
         if self._shared is not None and (hits < len(keys) or state_keys):
             asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
-                                     self.manager, state_keys, own_chunks=num_computed_tokens // self.chunk_tokens)
+                                     self.manager, state_keys)
             if asked is None:
                 return None, False  # vLLM asks again on a later step (waited at most lookup_wait_s)
             hits = asked
+        if hold_for_busy_chunk(self.manager, self._state(request), keys, hits,
+                               num_computed_tokens // self.chunk_tokens, self.config.deadlines.lookup_s):
+            self._count("lookups_held", 1)
+            return None, False  # the chunk after the hit is being written into the host tier
         if self._state_groups:  # a hit ends where a chunk's end state is stored
             hits = state_hit_chunks(keys, hits, request.num_tokens - 1, self.chunk_tokens, self.keys.state_key,
                                     lambda key: bool(self.manager.lookup([key])))

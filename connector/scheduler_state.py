@@ -23,7 +23,7 @@ class RequestState:
     lookup_hit_tokens: int = 0
     lookup_tokens: int = 0  # asked of tiercache at the last lookup (beyond vLLM's own hit), until allocated
     shared_asked: bool = False  # the shared tiers answered for this request already
-    shared_answered_at: float | None = None  # when they answered, while the hit waits for a busy chunk
+    held_since: float | None = None  # first lookup held for a busy chunk (connector/lookup_hold.py)
     tail_stored: bool = False  # P/D producer, via_host: the prompt's tail was offered to the host tier
 
     def reoffer(self, chunk_keys: list[bytes], failed: set[bytes]) -> None:

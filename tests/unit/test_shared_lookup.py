@@ -89,50 +89,15 @@ def test_the_first_answer_waits_briefly_and_no_longer() -> None:
     quick.submit_put(1, [k(0)], [memoryview(bytearray(8))])
     lookup = SharedLookup({"quick": quick}, timeout_s=1.0, first_wait_s=0.5)
     lookup.ask("r", [k(0), k(1)])
-    assert lookup.answer("r", wait_s=lookup.first_wait_s) == {"quick": [k(0)]}
+    assert lookup.answer("r", first=True) == {"quick": [k(0)]}
     lookup.ask("no-wait", [k(0)])
     assert lookup.answer("no-wait") is None  # control: the same store, asked without the wait
     assert wait_answer(lookup, "no-wait") == {"quick": [k(0)]}
     slow = SharedLookup({"slow": SlowTier(0.5)}, timeout_s=1.0, first_wait_s=0.02)
     slow.ask("s", [k(0)])
     t0 = time.monotonic()
-    assert slow.answer("s", wait_s=10.0) is None  # bounded by first_wait_s, whatever is asked
+    assert slow.answer("s", first=True) is None  # a slower store: not waited for past first_wait_s
     assert time.monotonic() - t0 < 0.2
     assert SharedLookup({}, timeout_s=0.01, first_wait_s=5.0).first_wait_s == 0.01  # never past the deadline
     for one in (lookup, slow):
         one.close()
-
-
-
-def test_a_hit_that_stops_at_a_chunk_still_staging_waits_for_it() -> None:
-    """The shared tier answers at once, but the hit stops at a chunk an earlier load is still
-    staging into the host tier (its late report after a stall): vLLM is asked to come back next
-    step, and the chunk counts once staged, instead of being recomputed (a miss)."""
-    from tiercache.connector.lower_tiers import ask_shared_tiers
-    from tiercache.connector.scheduler_state import RequestState
-
-    from tiercache.manager.offloading import OffloadingManager, TierSpec
-
-    manager = OffloadingManager([TierSpec("host", 4), TierSpec("redis", 8, shared=True)])
-    keys = [k(0), k(1)]
-    manager.cascade.learn("redis", keys)
-    staging = manager.prepare_load(keys[:1])  # an earlier request's load, still staging k(0)
-    assert staging.staged == (True,) and manager.busy_in_host(k(0))
-    assert manager.lookup(keys) == 0  # why: a lookup now stops at the busy chunk
-    tier = MemoryBackend(HostSlab(4, 64, pin_memory=False))
-    tier.submit_put(1, keys, [memoryview(bytearray(8))] * 2)
-    lookup = SharedLookup({"redis": tier}, timeout_s=5.0, first_wait_s=1.0)
-    st = RequestState(request=None)  # type: ignore[arg-type]
-    assert ask_shared_tiers(lookup, st, "r", keys, 0, manager) is None  # answered; the hit waits
-    assert st.shared_answered_at is not None and not st.shared_asked
-    manager.complete_load(keys[:1])  # the late report lands
-    assert ask_shared_tiers(lookup, st, "r", keys, 0, manager) == 2 and st.shared_asked
-    # not for a chunk vLLM's own prefix cache holds (it serves that one itself)
-    manager.prepare_load(keys[1:])
-    own = RequestState(request=None)  # type: ignore[arg-type]
-    assert ask_shared_tiers(lookup, own, "own", keys, 0, manager, own_chunks=2) == 1
-    # bounded: past the lookup deadline the hit is what it is
-    late = RequestState(request=None)  # type: ignore[arg-type]
-    lookup.timeout_s = 0.0
-    assert ask_shared_tiers(lookup, late, "late", keys, 0, manager) == 1
-    lookup.close()

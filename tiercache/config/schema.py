@@ -156,7 +156,8 @@ class DeadlineConfig(_Frozen):
         default=1.0, gt=0, le=60,
         description="A shared tier (Redis, the cache server) that has not said which chunks it holds "
         "within this many seconds holds none of them for that request (a miss); the request waits "
-        "for the answer at most this long.",
+        "for the answer at most this long. Also the longest a lookup waits for a chunk still being "
+        "written into the host tier (another request staging it) before it recomputes that chunk.",
     )
     lookup_wait_s: float = Field(
         default=0.005, ge=0, le=1.0,

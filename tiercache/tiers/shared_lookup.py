@@ -46,12 +46,13 @@ class SharedLookup:
         futures = {name: self._pool.submit(backend.contains, asked) for name, backend in self.backends.items()}
         self._pending[token] = (time.monotonic(), tuple(keys), tuple(any_of), futures)
 
-    def answer(self, token: str, wait_s: float = 0.0) -> dict[str, list[bytes]] | None:
+    def answer(self, token: str, first: bool = False) -> dict[str, list[bytes]] | None:
         """Per tier, the leading ``keys`` it holds and the ``any_of`` keys it holds; None while some
-        tier is still thinking after ``wait_s`` seconds (at most ``first_wait_s``; 0: no wait)."""
+        tier is still thinking. ``first``: the call right after :meth:`ask`, which waits up to
+        ``first_wait_s`` for the answer; any other call returns at once."""
         started, keys, any_of, futures = self._pending[token]
-        if wait_s > 0:
-            wait(futures.values(), timeout=min(wait_s, self.first_wait_s))
+        if first and self.first_wait_s > 0:
+            wait(futures.values(), timeout=self.first_wait_s)
         late = time.monotonic() - started > self.timeout_s
         if not late and not all(f.done() for f in futures.values()):
             return None

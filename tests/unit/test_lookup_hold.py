@@ -1,0 +1,96 @@
+"""A lookup whose hit stops at a chunk still being written into the host tier waits a step for it.
+
+connector/lookup_hold.py: another request's load staging the chunk from a lower
+tier, or an earlier load's late report after a stall, makes the chunk busy for a
+step or two; the lookup asks vLLM to come back instead of recomputing it and
+everything after it. Checked on the rule itself (a shared tier's chunk, with its
+bounds) and on the real scheduler half over a real disk tier (two requests with
+the same prefix in async load mode, no engine).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from tiercache.connector.lookup_hold import hold_for_busy_chunk
+from tiercache.connector.metadata import JobReport, TierCacheWorkerMetadata
+from tiercache.connector.scheduler import TierCacheScheduler
+from tiercache.connector.scheduler_state import RequestState
+
+from tests.unit.disk_scheduler import BLOCK, blocks, disk_scheduler, request, step_output
+from tiercache.manager.offloading import OffloadingManager, TierSpec
+
+
+def k(i: int) -> bytes:
+    return bytes([i]) * 44
+
+
+def fresh() -> RequestState:
+    return RequestState(request=None)  # type: ignore[arg-type]
+
+
+def test_a_hit_stopping_at_a_chunk_being_staged_is_held_until_it_lands() -> None:
+    manager = OffloadingManager([TierSpec("host", 4), TierSpec("redis", 8, shared=True)])
+    keys = [k(0), k(1)]
+    manager.cascade.learn("redis", keys)
+    staging = manager.prepare_load(keys[:1])  # an earlier request's load, still staging k(0)
+    assert staging.staged == (True,) and manager.busy_in_host(k(0))
+    assert manager.lookup(keys) == 0  # why: a lookup now stops at the busy chunk
+    st = fresh()
+    assert hold_for_busy_chunk(manager, st, keys, 0, own_chunks=0, limit_s=1.0, now=10.0)
+    assert hold_for_busy_chunk(manager, st, keys, 0, own_chunks=0, limit_s=1.0, now=10.5)
+    manager.complete_load(keys[:1])  # the report lands
+    assert manager.lookup(keys) == 2
+    assert not hold_for_busy_chunk(manager, st, keys, 2, own_chunks=0, limit_s=1.0, now=10.6)
+
+
+def test_no_hold_inside_vllms_own_cache_past_the_deadline_or_at_a_plain_miss() -> None:
+    manager = OffloadingManager([TierSpec("host", 4), TierSpec("redis", 8, shared=True)])
+    keys = [k(0), k(1), k(2)]
+    manager.cascade.learn("redis", keys[:2])
+    manager.prepare_load(keys[1:2])  # k(1) busy
+    assert manager.lookup(keys) == 1
+    # vLLM's own prefix cache holds the first two chunks: it serves the busy one itself
+    assert not hold_for_busy_chunk(manager, fresh(), keys, 1, own_chunks=2, limit_s=1.0)
+    # bounded: held from t=10, no longer at t=11
+    st = fresh()
+    assert hold_for_busy_chunk(manager, st, keys, 1, own_chunks=0, limit_s=1.0, now=10.0)
+    assert not hold_for_busy_chunk(manager, st, keys, 1, own_chunks=0, limit_s=1.0, now=11.0)
+    # a miss that is nobody's write is not waited for
+    assert not hold_for_busy_chunk(manager, fresh(), keys, 2, own_chunks=0, limit_s=1.0)
+    assert not hold_for_busy_chunk(manager, fresh(), keys, 3, own_chunks=0, limit_s=1.0)  # a full hit
+
+
+def step(sched: TierCacheScheduler) -> list[int]:
+    return [job.job_id for job in sched.build_connector_meta(step_output()).loads]
+
+
+def test_the_scheduler_holds_a_second_request_while_the_first_stages_their_prefix(tmp_path: pathlib.Path) -> None:
+    """Two requests with the same 3-chunk prefix on the disk tier, async loads (vLLM caches the first
+    one's blocks only once its load is done): the second waits for the staging instead of
+    recomputing the prefix, then hits all of it."""
+    sched = disk_scheduler(tmp_path, host_slots=8, load_mode="async")
+    first, second = request("a", 3, salt=7), request("b", 3, salt=7)
+    keys = sched.keys.chunk_keys(first.block_hashes)
+    sched.manager.cascade.learn("ssd", keys)
+    assert sched.get_num_new_matched_tokens(first, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(first, blocks(), 3 * BLOCK)
+    assert sched.manager.lookup(keys) == 0  # why: all three chunks are being staged into the host tier
+    assert sched.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert sched.take_counters().get("lookups_held") == 1
+    (job_id,) = step(sched)
+    assert sched.get_num_new_matched_tokens(second, 0) == (None, False)  # still staging: asked again
+    sched.update_connector_output(TierCacheWorkerMetadata(
+        done={job_id: JobReport(reports=1, failed_keys=set(), bytes=0, secs=0.0)}))
+    assert sched.get_num_new_matched_tokens(second, 0) == (3 * BLOCK, True)  # from the host tier now
+
+
+def test_control_a_prefix_nobody_is_writing_is_answered_at_once(tmp_path: pathlib.Path) -> None:
+    """The same second request with the prefix on disk and no load in flight: a hit at once, no hold;
+    and a prefix nowhere: a miss at once."""
+    sched = disk_scheduler(tmp_path, host_slots=8, load_mode="async")
+    wanted = request("b", 3, salt=7)
+    assert sched.get_num_new_matched_tokens(wanted, 0) == (0, False)
+    sched.manager.cascade.learn("ssd", sched.keys.chunk_keys(wanted.block_hashes))
+    assert sched.get_num_new_matched_tokens(wanted, 0) == (3 * BLOCK, True)
+    assert "lookups_held" not in sched.take_counters()
