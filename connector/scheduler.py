@@ -149,6 +149,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
             asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
                                      self.manager, state_keys)
             if asked is None:
+                self._count("lookups_deferred", 1)  # a shared tier still thinking: a step later
                 return None, False  # vLLM asks again on a later step (waited at most lookup_wait_s)
             hits = asked
         if hold_for_busy_chunk(self.manager, self._state(request), keys, hits,

@@ -11,6 +11,7 @@ the same prefix in async load mode, no engine).
 from __future__ import annotations
 
 import pathlib
+import time
 
 from tiercache.connector.lookup_hold import hold_for_busy_chunk
 from tiercache.connector.metadata import JobReport, TierCacheWorkerMetadata
@@ -94,3 +95,30 @@ def test_control_a_prefix_nobody_is_writing_is_answered_at_once(tmp_path: pathli
     sched.manager.cascade.learn("ssd", sched.keys.chunk_keys(wanted.block_hashes))
     assert sched.get_num_new_matched_tokens(wanted, 0) == (3 * BLOCK, True)
     assert "lookups_held" not in sched.take_counters()
+
+
+def test_a_shared_answer_later_than_the_first_wait_defers_the_request_and_is_counted(tmp_path: pathlib.Path) -> None:
+    """A shared tier that answers after ``lookup_wait_s``: vLLM is asked to come back (counted as
+    ``lookups_deferred``, the figure that tells a slow store from a held chunk), then the hit
+    lands; control: the same tier answering at once is not deferred."""
+    from tests.unit.test_shared_lookup import SlowTier
+    from tiercache.tiers.shared_lookup import SharedLookup
+
+    for delay_s, deferred in ((0.3, True), (0.0, False)):
+        sched = disk_scheduler(tmp_path / str(delay_s), host_slots=8)
+        wanted = request("r", 3, salt=9)
+        keys = sched.keys.chunk_keys(wanted.block_hashes)
+        tier = SlowTier(delay_s)
+        tier.submit_put(1, keys, [memoryview(bytearray(8))] * 3)
+        sched._shared = SharedLookup({"ssd": tier}, timeout_s=5.0, first_wait_s=0.05)
+        first = sched.get_num_new_matched_tokens(wanted, 0)
+        assert first == ((None, False) if deferred else (3 * BLOCK, False))
+        assert sched.take_counters().get("lookups_deferred", 0) == int(deferred)
+        if deferred:  # vLLM's next steps: the answer lands within the lookup deadline
+            deadline = time.monotonic() + 5
+            again = sched.get_num_new_matched_tokens(wanted, 0)
+            while again == (None, False) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                again = sched.get_num_new_matched_tokens(wanted, 0)
+            assert again == (3 * BLOCK, False)
+        sched._shared.close()
