@@ -8,7 +8,9 @@ configured limits, serves the request against the shared
 reads the next header. Anything refused (bad magic, version, type, flags, an
 oversized or malformed message, a wrong token, a request before HELLO) is
 answered with one ERROR frame naming the reason and the connection is closed:
-its framing can no longer be trusted. Other connections never notice: nothing
+its framing can no longer be trusted. Before closing, the server reads and drops
+what the client still sends for up to a second (or 16 MiB), so that the replies
+to requests it pipelined before the refused one are not lost to a TCP reset. Other connections never notice: nothing
 a connection reads is shared, and the store is only changed through its
 two-phase put/get calls, whose failure paths undo what they reserved.
 
@@ -62,6 +64,11 @@ if TYPE_CHECKING:
     from tiercache.server.store import ChunkStore
 
 logger = logging.getLogger(__name__)
+
+# After an ERROR frame: how long, and how many bytes, the server reads and drops what the client
+# still sends (requests it pipelined behind the refused one) before it closes the connection.
+_DRAIN_S = 1.0
+_DRAIN_BYTES = 16 << 20
 
 
 class ConnectionHost(Protocol):
@@ -239,7 +246,9 @@ class Connection:
         try:
             await asyncio.wait_for(self.stream.send([data]), 1.0)
         except (asyncio.TimeoutError, OSError, asyncio.CancelledError):
-            pass
+            return
+        # the replies sent before this one must reach a pipelining client: no reset (wire.py)
+        await self.stream.drain_then_close(_DRAIN_S, _DRAIN_BYTES)
 
     def _close(self) -> None:
         if self._nixl_peer is not None and self.server.nixl is not None:

@@ -208,6 +208,22 @@ class AsyncStream:
         finally:
             self.loop.remove_writer(fd)
 
+    async def drain_then_close(self, timeout_s: float, max_bytes: int) -> None:
+        """Drop what the peer still sends until it closes (it does on our ERROR frame), ``timeout_s``
+        passes or ``max_bytes`` arrived; then close. Closing a socket with unread bytes in it sends
+        a reset, and a reset discards what the peer has not read yet: the replies to its requests
+        before the refused one, already sent (a pipelining client loses them)."""
+        dropped = 0
+        deadline = self.loop.time() + timeout_s
+        try:
+            while dropped < max_bytes and (left := deadline - self.loop.time()) > 0:
+                self.inbox.start = self.inbox.end = 0  # nothing in it is read any more
+                dropped += await asyncio.wait_for(self._recv(self.inbox.room_for(1)), left)
+        except (asyncio.TimeoutError, OSError, Truncated):
+            pass
+        finally:
+            self.close()
+
     def close(self) -> None:
         try:
             self.sock.close()
