@@ -53,7 +53,7 @@ import pytest
 from tests.server.harness import ServerProcess
 from tiercache.admission import Admission
 from tiercache.server import protocol as p
-from tiercache.server.budgets import BudgetLimits, Budgets
+from tiercache.server.budgets import BudgetLimits, Budgets, Charge
 from tiercache.server.client import ServerClient
 from tiercache.server.deadlines import FrameClock, FrameTimeout, ReplyTimeout
 from tiercache.server.nixl_path import nixl_available
@@ -652,6 +652,37 @@ def test_budgets_count_slots_once_per_tenant_and_refuse_a_prefix() -> None:
     second.release()
     second.release()  # idempotent
     assert budgets.usage("t") == (0, 0) and budgets.total() == (1, 90)
+
+
+def test_take_many_is_take_in_order_on_both_of_its_paths() -> None:
+    """Random requests (repeated keys, pins and reservations, several tenants) against tight and loose
+    limits: take_many (one pass when everything fits, else key by key) leaves the budgets exactly as
+    take() called key by key does, and takes the same prefix."""
+    import random
+
+    rng = random.Random(7)
+    for slots, nbytes in ((4, 60), (6, 200), (1000, 10**9)):  # tight: the key-by-key path; loose: one pass
+        limits = BudgetLimits(connection_slots=slots, connection_bytes=nbytes, tenant_slots=slots + 3,
+                              tenant_bytes=3 * nbytes)
+        many, one = Budgets(limits), Budgets(limits)
+        open_many: list[Charge] = []
+        open_one: list[Charge] = []
+        for _ in range(300):
+            tenant, kind = rng.choice("tu"), rng.choice("pr")
+            keys = [b"k%d" % rng.randrange(8) for _ in range(rng.randrange(1, 7))]
+            sizes = [rng.randrange(1, 25) for _ in keys]
+            a, b = many.charge(tenant), one.charge(tenant)
+            taken = a.take_many(kind, keys, sizes)
+            expected = next((i for i, (k, n) in enumerate(zip(keys, sizes)) if not b.take(kind, k, n)), len(keys))
+            assert taken == expected and a.held == b.held and a.nbytes == b.nbytes and a.refused == b.refused
+            assert many.usage(tenant) == one.usage(tenant) and many.refused == one.refused
+            open_many.append(a)
+            open_one.append(b)
+            if len(open_many) > 3 or rng.random() < 0.3:  # requests end in any order
+                j = rng.randrange(len(open_many))
+                open_many.pop(j).release()
+                open_one.pop(j).release()
+        assert many.total() == one.total()
 
 
 def test_frame_clock_deadlines() -> None:

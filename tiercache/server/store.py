@@ -193,12 +193,11 @@ class ChunkStore:
             for i in candidates[len(host.free_slots):]:
                 status[i] = Status.FULL
             candidates = candidates[: len(host.free_slots)]
-        allowed = []
-        for i in candidates:  # the budgets: a slot and the value's bytes each, in order
-            if charge.take("r", keys[i], sizes[i]):
-                allowed.append(i)
-            else:
-                status[i] = Status.LIMIT
+        # the budgets: a slot and the value's bytes each, in order; past a refusal every key is LIMIT
+        taken = charge.take_many("r", [keys[i] for i in candidates], [sizes[i] for i in candidates])
+        allowed = candidates[:taken]
+        for i in candidates[taken:]:
+            status[i] = Status.LIMIT
         plan = self.manager.prepare_store([keys[i] for i in allowed]) if allowed else None
         placed = dict(zip(plan.keys, plan.slots)) if plan is not None else {}
         stored: list[bytes] = []
@@ -243,7 +242,8 @@ class ChunkStore:
             await asyncio.wait(waits)
         ticket = GetTicket(list(keys), [Status.MISS] * len(keys), [-1] * len(keys), [0] * len(keys), [],
                            charge=charge)
-        chosen = self._bound_get(keys, capacities, ticket.status, charge)
+        host_sizes: dict[bytes, int] = {}  # a host hit's size, read once (its slot is pinned below)
+        chosen = self._bound_get(keys, capacities, ticket.status, charge, host_sizes)
         plan = self.manager.prepare_load(chosen) if chosen else None
         slot_of: dict[bytes, int] = {}
         failed: set[bytes] = set()
@@ -275,7 +275,7 @@ class ChunkStore:
             if ticket.status[i] is not Status.OK:
                 continue  # refused before anything was pinned
             slot = slot_of.get(key)
-            size = self.slab.size_of(slot) if slot is not None and key not in failed else None
+            size = None if slot is None or key in failed else host_sizes.get(key) or self.slab.size_of(slot)
             if slot is None:
                 ticket.status[i] = Status.MISS  # no host slot to stage it into
             elif size is None:
@@ -294,34 +294,43 @@ class ChunkStore:
         return ticket
 
     def _bound_get(self, keys: Sequence[bytes], capacities: Sequence[int], status: list[Status],
-                   charge: Charge) -> list[bytes]:
-        """Which keys a get may serve, decided before any is pinned or staged (statuses set: OK for now).
+                   charge: Charge, host_sizes: dict[bytes, int]) -> list[bytes]:
+        """Which keys a get may serve, decided before any is pinned or staged (statuses set: OK for now;
+        ``host_sizes``: filled with each host hit's size).
 
         A host hit is charged its size, a lower-tier hit its capacity (at most
         ``max_value_bytes``: its size is known only once it is read); a key
         charged again (twice in one get) costs its bytes again, not its slot.
         """
-        host = self.host
+        host_ready = self.host.ready
+        host_storing = self.host.storing
         lower_ready = [t.ready for t in self.manager.lower]
-        chosen: dict[bytes, None] = {}
+        wanted: list[int] = []
+        wanted_sizes: list[int] = []
         for i, key in enumerate(keys):
-            if key in host.ready:
-                size = self.slab.size_of(host.ready[key])
+            slot = host_ready.get(key)
+            if slot is not None:
+                size = self.slab.size_of(slot)
                 if size is None:
                     status[i] = Status.FAILED
                     continue
                 if size > capacities[i]:
                     status[i] = Status.BAD_SIZE
                     continue
-            elif key not in host.storing and any(key in r for r in lower_ready):
+                host_sizes[key] = size
+            elif key not in host_storing and any(key in r for r in lower_ready):
                 size = min(capacities[i], self.slab.max_value_bytes)
             else:
                 continue  # MISS
-            if not charge.take("p", key, size):
-                status[i] = Status.LIMIT
-                continue
+            wanted.append(i)
+            wanted_sizes.append(size)
+        taken = charge.take_many("p", [keys[i] for i in wanted], wanted_sizes)
+        for i in wanted[taken:]:
+            status[i] = Status.LIMIT
+        chosen: dict[bytes, None] = {}
+        for i in wanted[:taken]:
             status[i] = Status.OK
-            chosen[key] = None
+            chosen[keys[i]] = None
         return list(chosen)
 
     def end_get(self, ticket: GetTicket) -> None:
