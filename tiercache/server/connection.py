@@ -8,9 +8,10 @@ configured limits, serves the request against the shared
 reads the next header. Anything refused (bad magic, version, type, flags, an
 oversized or malformed message, a wrong token, a request before HELLO) is
 answered with one ERROR frame naming the reason and the connection is closed:
-its framing can no longer be trusted. Before closing, the server reads and drops
-what the client still sends for up to a second (or 16 MiB), so that the replies
-to requests it pipelined before the refused one are not lost to a TCP reset. Other connections never notice: nothing
+its framing can no longer be trusted. Before closing an authenticated
+connection, the server reads and drops what the client still sends for up to a
+second (or 16 MiB), so that the replies to requests it pipelined before the
+refused one are not lost to a TCP reset. Other connections never notice: nothing
 a connection reads is shared, and the store is only changed through its
 two-phase put/get calls, whose failure paths undo what they reserved.
 
@@ -247,8 +248,10 @@ class Connection:
             await asyncio.wait_for(self.stream.send([data]), 1.0)
         except (asyncio.TimeoutError, OSError, asyncio.CancelledError):
             return
-        # the replies sent before this one must reach a pipelining client: no reset (wire.py)
-        await self.stream.drain_then_close(_DRAIN_S, _DRAIN_BYTES)
+        # the replies sent before this one must reach a pipelining client: no reset (wire.py);
+        # a peer that never authenticated got no reply to protect and holds no slot longer
+        if self.tenant is not None:
+            await self.stream.drain_then_close(_DRAIN_S, _DRAIN_BYTES)
 
     def _close(self) -> None:
         if self._nixl_peer is not None and self.server.nixl is not None:
