@@ -6,16 +6,19 @@ own budget and eviction policy bound what it holds. Keys go to the server as
 they are (they start with the engine's namespace digest, so engines whose
 namespaces differ never read each other's chunks).
 
-Threads and connections: ``connections`` I/O threads, each owning one
+Threads and connections: ``connections`` data I/O threads, each owning one
 :class:`~tiercache.server.client.ServerClient` (a TCP connection, connected on
 demand). A job is split into parts of at most ``max_batch_keys`` keys and
 ``max_batch_bytes`` bytes; the parts go on one queue and run on whichever
 thread is free, so a large job uses every connection; over TCP a thread
 keeps up to ``pipeline_depth`` requests of a part in flight on its connection
-(:mod:`.worker`). ``contains`` and
-``delete`` are answered synchronously (they wait for a thread, up to
-``timeout_s``) and may be called from any thread, as the scheduler's shared
-lookup does; ``submit_*``, ``poll`` and ``close`` from the owner's thread.
+(:mod:`.worker`). ``contains`` and ``delete`` are answered synchronously by
+one more thread with a connection of its own (connected on its first call),
+so a lookup never queues behind a job's parts (under write-through load one
+that did missed ``deadlines.lookup_wait_s`` and cost its request a forward
+pass: docs/PERFORMANCE.md, Serving); they wait up to ``timeout_s`` and may be
+called from any thread, as the scheduler's shared lookup does; ``submit_*``,
+``poll`` and ``close`` from the owner's thread.
 
 Integrity (``verifies_integrity``): every chunk is stored as a frame of
 :mod:`tiercache.integrity` (namespace, key, length, xxh3_64; or, with
@@ -115,8 +118,10 @@ class ServerBackend(Backend):
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._refused: OrderedDict[bytes, None] = OrderedDict()  # under _lock: see note_refused
         self._slots_checked = False  # under _lock: see check_slot_fit
-        #: What the I/O threads take: parts of jobs, synchronous calls, None to stop.
+        #: What the data threads take: parts of jobs, None to stop.
         self.requests: queue.SimpleQueue[Part | Call | None] = queue.SimpleQueue()
+        #: What the lookup thread takes: synchronous calls (contains, delete), None to stop.
+        self.calls: queue.SimpleQueue[Part | Call | None] = queue.SimpleQueue()
         self._closed = False
         self.nixl: NixlClientSide | None = None
         if settings.data_path != "tcp":
@@ -130,14 +135,15 @@ class ServerBackend(Backend):
         token = settings.token.get_secret_value() if settings.token is not None else None
         name = settings.client_name or f"{context.tier_name}/rank{context.rank}"
         tls = settings.tls_context()
-        self._workers = [
-            Worker(self, i, ServerClient(
-                settings.address, token, name, settings.timeout_s, settings.connect_timeout_s,
-                tls=tls, server_name=settings.tls.server_name if settings.tls is not None else None,
-            ))
-            for i in range(settings.connections)
-        ]
-        for worker in self._workers:
+        server_name = settings.tls.server_name if settings.tls is not None else None
+
+        def client() -> ServerClient:
+            return ServerClient(settings.address, token, name, settings.timeout_s, settings.connect_timeout_s,
+                                tls=tls, server_name=server_name)
+
+        self._workers = [Worker(self, i, client(), self.requests) for i in range(settings.connections)]
+        self._lookups = Worker(self, settings.connections, client(), self.calls, data=False)
+        for worker in (*self._workers, self._lookups):
             worker.thread.start()
 
     # ------------------------------------------------------------------ Backend API
@@ -179,7 +185,8 @@ class ServerBackend(Backend):
         self._closed = True
         for _ in self._workers:
             self.requests.put(None)
-        for worker in self._workers:
+        self.calls.put(None)
+        for worker in (*self._workers, self._lookups):
             worker.thread.join(timeout=self.settings.timeout_s + 1)
             worker.client.close()
         if self.nixl is not None:
@@ -320,7 +327,7 @@ class ServerBackend(Backend):
         if self._closed:
             return None
         future: Future[T] = Future()
-        self.requests.put(Call(fn, future))
+        self.calls.put(Call(fn, future))
         try:
             return future.result(timeout=self.settings.timeout_s + self.settings.connect_timeout_s)
         except Exception:

@@ -1,12 +1,15 @@
-"""The cache-server tier's I/O threads: one connection each, serving one shared request queue.
+"""The cache-server tier's I/O threads: one connection each, serving one request queue.
 
 A :class:`Worker` owns one :class:`~tiercache.server.client.ServerClient`
 (connected on demand, reconnected with exponential backoff) and one thread
-that takes requests off its backend's ``requests`` queue until it finds
-``None``: a :class:`Part` of a job (its keys put or got, over TCP or NIXL,
-and always reported to :meth:`ServerBackend.part_done
+that takes requests off its queue until it finds ``None``: a :class:`Part` of
+a job (its keys put or got, over TCP or NIXL, and always reported to
+:meth:`ServerBackend.part_done
 <tiercache.backends.server.backend.ServerBackend.part_done>`) or a
 synchronous :class:`Call` (its result handed to the waiting caller's future).
+The data workers share the backend's ``requests`` queue (parts); one lookup
+worker (``data=False``: no NIXL, never a part) serves its ``calls`` queue
+alone, so a lookup never waits behind a job's megabytes.
 Over TCP a part goes as requests of ``pipeline_request_bytes`` with up to
 ``pipeline_depth`` in flight on the connection (:meth:`Worker._pipelined`:
 the next request is framed and sent while the server handles the one
@@ -80,7 +83,6 @@ class WorkerOwner(Protocol):
 
     settings: ServerSettings
     context: BackendContext
-    requests: queue.SimpleQueue[Part | Call | None]
     nixl: NixlClientSide | None
     framer: Framer
 
@@ -96,23 +98,31 @@ class WorkerOwner(Protocol):
 
 
 class Worker:
-    """One I/O thread and its connection."""
+    """One I/O thread and its connection, serving ``requests``.
 
-    def __init__(self, backend: WorkerOwner, index: int, client: ServerClient) -> None:
+    ``data``: a data worker (parts of jobs, NIXL when the backend has it; ``index``
+    picks its NIXL arena); else a lookup worker (calls only, TCP only).
+    """
+
+    def __init__(self, backend: WorkerOwner, index: int, client: ServerClient,
+                 requests: queue.SimpleQueue[Part | Call | None], data: bool = True) -> None:
         self.backend = backend
         self.index = index
         self.client = client
+        self.requests = requests
+        self.data = data
         self.backoff = backend.settings.backoff_min_s
         self.next_attempt = 0.0
         self.nixl_active = False
         self._meta_version = 0
         self.thread = threading.Thread(
-            target=self._run, name=f"tiercache-server-{backend.context.tier_name}-{index}", daemon=True
+            target=self._run, daemon=True,
+            name=f"tiercache-server-{backend.context.tier_name}-{index if data else 'lookups'}"
         )
 
     def _run(self) -> None:
         while True:
-            item = self.backend.requests.get()
+            item = self.requests.get()
             if item is None:
                 return
             try:
@@ -164,7 +174,7 @@ class Worker:
         if now < self.next_attempt:
             backend.count("fast_failures")
             raise ConnectionError("server unreachable; waiting before reconnecting")
-        nixl = backend.nixl
+        nixl = backend.nixl if self.data else None
         if nixl is not None:
             version, metadata = nixl.metadata()
             self.client.nixl_agent, self.client.nixl_metadata = nixl.agent_name, metadata
@@ -184,7 +194,7 @@ class Worker:
         backend.check_slot_fit(welcome.max_value_bytes)
         self.backoff = backend.settings.backoff_min_s
         self.nixl_active = nixl is not None and welcome.nixl
-        if backend.settings.data_path == "nixl" and not self.nixl_active:
+        if self.data and backend.settings.data_path == "nixl" and not self.nixl_active:
             self.client.close()
             raise ConnectionError("data_path is nixl but the server or this client has no NIXL")
 
