@@ -53,7 +53,7 @@ class ServerSettings(BackendSettings):
         "TLS), server_name (default: the address's host)}. Unset: plaintext TCP. With NIXL only the "
         "control channel is TLS; values move over NIXL/UCX unencrypted.",
     )
-    connections: int = Field(default=2, ge=1, le=32, description="TCP connections (one I/O thread each).")
+    connections: int = Field(default=2, ge=1, le=32, description="TCP connections for jobs (one I/O thread each); lookups and deletes use one more.")
     timeout_s: float = Field(default=10.0, gt=0, description="Seconds one request may take.")
     connect_timeout_s: float = Field(default=2.0, gt=0)
     backoff_min_s: float = Field(default=0.05, gt=0, description="First wait before reconnecting.")
