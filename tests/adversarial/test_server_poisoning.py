@@ -103,11 +103,22 @@ def chunks(first: int, n: int, version: int = 0) -> dict[bytes, bytes]:
     return {k: make_payload(k, CHUNK, version) for k in keys}
 
 
-def overwrite(server: ServerProcess, key: bytes, value: bytes) -> None:
-    """The intruder replaces ``key``'s value (delete, then put: whatever the overwrite policy)."""
+def overwrite(server: ServerProcess, key: bytes, value: bytes, timeout_s: float = 30.0) -> None:
+    """The intruder replaces ``key``'s value (delete, then put: whatever the overwrite policy).
+
+    FULL and BUSY mean "not now" (every host slot pinned or being written, or the key
+    still being copied down to the server's disk tier right after the engine's stores):
+    the put is asked again until ``timeout_s``. Seen once in a full run on a loaded machine.
+    """
+    deadline = time.monotonic() + timeout_s
     with ServerClient(server.address, token=TOKENS["intruder"], client_name="intruder") as raw:
-        raw.delete([key])
-        assert raw.put([key], [value]) == [p.Status.OK]
+        while True:
+            raw.delete([key])
+            status = raw.put([key], [value])
+            if status not in ([p.Status.BUSY], [p.Status.FULL]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)  # polling the server's own answer, not timing a race
+        assert status == [p.Status.OK], status
 
 
 def stored_frame(server: ServerProcess, key: bytes, room: int = CHUNK) -> bytes:
