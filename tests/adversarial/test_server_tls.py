@@ -42,12 +42,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
     return make_certs(tmp_path_factory.mktemp("pki"))
 
 
-def tls_server(directory: pathlib.Path, certs: CertFiles, client_ca: bool = False, **extra: object) -> ServerProcess:
+def tls_server(directory: pathlib.Path, certs: CertFiles, client_ca: bool = False,
+               hello_timeout_s: float = HELLO_TIMEOUT_S, **extra: object) -> ServerProcess:
     tls = {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key)}
     if client_ca:
         tls["client_ca_file"] = str(certs.ca)
     return ServerProcess(directory, auth_token=TOKEN, tls=tls, max_value_bytes=CHUNK,
-                         hello_timeout_s=HELLO_TIMEOUT_S,
+                         hello_timeout_s=hello_timeout_s,
                          tiers=[{"name": "cpu", "backend": "cpu", "capacity": "8MiB"}], **extra).start()
 
 
@@ -174,7 +175,9 @@ def test_nixl_data_path_with_a_tls_control_channel(tmp_path: pathlib.Path, certs
     """With NIXL the control messages are TLS; the values move over NIXL (documented: not encrypted)."""
     from tiercache.server.nixl_client import NixlClientSide
 
-    proc = tls_server(tmp_path / "tls-nixl", certs, nixl="on")
+    # a HELLO with NIXL metadata has the server vet it in a process of its own before loading it: the
+    # module's 2 s HELLO deadline (for the slow-HELLO test) timed that out once on a loaded machine
+    proc = tls_server(tmp_path / "tls-nixl", certs, hello_timeout_s=30.0, nixl="on")
     side = NixlClientSide(1 << 20, 1)
     arena, addr = side.arena(0)
     try:
