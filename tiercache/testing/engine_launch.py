@@ -2,9 +2,11 @@
 
 vLLM spawns worker processes and keeps global state, so an engine never runs
 inside the pytest (or benchmark) process: :func:`run_engine` and
-:class:`EngineRun` start ``python -m tiercache.testing.engine_runner`` (the
-engine side, whose docstring holds the spec and result formats) in a fresh
-process group, drive its round barriers, enforce a timeout, kill the whole
+:class:`EngineRun` start the engine runner (the engine side, whose docstring
+holds the spec and result formats) in a process group of its own, forked from
+a fork server that imported vLLM once (:mod:`tiercache.testing.engine_forkserver`;
+``TIERCACHE_ENGINE_FORKSERVER=0``: a fresh ``python -m
+tiercache.testing.engine_runner`` each time), drive its round barriers, enforce a timeout, kill the whole
 group at the end, and return the parsed result. :func:`random_prompts` builds
 token-id prompts for specs. Tests, benchmarks and the demo call these,
 mostly through :mod:`tiercache.testing.engine_runner`, which re-exports them.
@@ -25,6 +27,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from tiercache.testing import engine_forkserver
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOG_TAIL_CHARS = 4000
@@ -61,7 +65,7 @@ def _log_tail(log_path: pathlib.Path) -> str:
         return f"<no log: {exc}>"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen[bytes] | engine_forkserver.ForkedRunner) -> None:
     """SIGKILL the runner's process group (engine core and workers included)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -110,12 +114,17 @@ class EngineRun:
         self.log_path = workdir / "engine.log"
         self.spec_path.write_text(json.dumps(spec))
         self.out_path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tiercache.testing.engine_runner",
-               "--spec", str(self.spec_path), "--out", str(self.out_path)]
+        argv = ["--spec", str(self.spec_path), "--out", str(self.out_path)]
         self._started = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_subprocess_env(), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.log_path.write_bytes(b"")
+        self.proc: subprocess.Popen[bytes] | engine_forkserver.ForkedRunner
+        if engine_forkserver.enabled():
+            self.proc = engine_forkserver.ForkedRunner(argv, self.log_path, REPO_ROOT, _subprocess_env())
+        else:
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen([sys.executable, "-m", "tiercache.testing.engine_runner", *argv],
+                                             cwd=REPO_ROOT, env=_subprocess_env(), stdout=log,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_for(self, barrier: str, timeout_s: float = 600) -> None:
         """Block until the engine reached ``barrier`` (RuntimeError if it died or timed out)."""
