@@ -97,7 +97,8 @@ PRODUCER_CPU, CONSUMER_CPU = "0", "1"
 
 
 # ----------------------------------------------------------------------------- engines
-def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, metrics_port: int) -> dict[str, Any]:
+def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, metrics_port: int,
+              producer_port: int) -> dict[str, Any]:
     if kind == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     extra: dict[str, Any] = {
@@ -110,7 +111,9 @@ def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, me
         extra["pd"] = {"port": side_port, "handoff_timeout_s": args.timeout, "mode": mode}
     else:
         # a pure decode engine, like NixlConnector's: what arrives is not copied again into the host tier
-        extra["pd"] = {"read_timeout_s": 30, "keep_received": False}
+        # naming the producer with its port lets the consumer shake hands from start-up (pd.warm_up_s)
+        extra["pd"] = {"read_timeout_s": 30, "keep_received": False, "warm_up_s": args.warm_up_s,
+                       "trusted_producers": [f"127.0.0.1:{producer_port}"]}
         extra["load_mode"] = args.consumer_load_mode
     return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connector.vllm",
             "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
@@ -118,7 +121,7 @@ def kv_config(kind: str, role: str, args: argparse.Namespace, side_port: int, me
 
 
 def engine_spec(kind: str, role: str, model: Path, args: argparse.Namespace, side_port: int,
-                rounds: list[dict[str, Any]]) -> dict[str, Any]:
+                rounds: list[dict[str, Any]], producer_port: int = 0) -> dict[str, Any]:
     metrics_port = free_port()
     cpu = PRODUCER_CPU if role == "producer" else CONSUMER_CPU
     env = {"VLLM_CPU_OMP_THREADS_BIND": cpu,
@@ -130,7 +133,7 @@ def engine_spec(kind: str, role: str, model: Path, args: argparse.Namespace, sid
     return {
         "model_dir": str(model), "dtype": args.dtype, "block_size": args.block_size,
         "max_model_len": max(args.lengths) + 64, "max_num_batched_tokens": max(args.lengths) + 64,
-        "kv_transfer_config": kv_config(kind, role, args, side_port, metrics_port),
+        "kv_transfer_config": kv_config(kind, role, args, side_port, metrics_port, producer_port),
         "tiercache_metrics_url": f"http://127.0.0.1:{metrics_port}/metrics" if kind != "nixl" else None,
         "env": env, "rounds": rounds,
         "in_process": False,  # vLLM's usual processes for every kind: the TTFTs compare alike
@@ -216,7 +219,7 @@ def run_pair(kind: str, model: Path, work: Path, args: argparse.Namespace,
     ] + [{"prompts": random_prompts(1, 40, seed=5), "max_tokens": 1, "barrier": "end"}]
     consumer_rounds, params_files = consumer_plan(kind, work, args, prompts, chunk_bytes, raw_info)
     producer = EngineRun(engine_spec(kind, "producer", model, args, side, producer_rounds), work / kind / "producer")
-    consumer = EngineRun(engine_spec(kind, "consumer", model, args, consumer_side, consumer_rounds),
+    consumer = EngineRun(engine_spec(kind, "consumer", model, args, consumer_side, consumer_rounds, side),
                          work / kind / "consumer")
     target, stop_target = None, None
     try:
@@ -324,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the producer's core (tiercache.testing.raw_nixl), so the ceiling is taken in the same "
                         "process, core and moment as the connector's own READs")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine")
+    parser.add_argument("--warm-up-s", type=float, default=60.0,
+                        help="tiercache consumer: pd.warm_up_s (it names the producer in pd.trusted_producers, so it "
+                        "shakes hands from start-up); 0: the first hand-off shakes hands")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="tiercache-bench-pd-"))

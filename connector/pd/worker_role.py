@@ -35,6 +35,7 @@ from tiercache.connector.pd.roles import CONSUMER_ROLES, PRODUCER_ROLES, HostSla
 from tiercache.connector.pd.step import PDStepMeta, PDWorkerReport
 
 from tiercache.backend import JobResult
+from tiercache.config.pd import parse_producer
 from tiercache.config.schema import PDConfig
 from tiercache.jobs import FromTier, LoadJob, StoreJob
 from tiercache.layout import SlotLayout
@@ -113,6 +114,8 @@ class PDWorker(WorkerPD):
                                      trust=ProducerTrust(pd.trusted_producers, has_secret=bool(key)))
             self.peer.expose_blocks(blocks)  # hand-offs are READ straight into the blocks
             self.peer.page_heads = heads
+            named = (parse_producer(entry) for entry in pd.trusted_producers)
+            self.peer.warm_up([(host, port + self.rank) for host, port in named if port is not None], pd.warm_up_s)
             readers[PEER_TIER] = self.peer
         return readers
 

@@ -147,6 +147,13 @@ class PDConfig(BaseModel):
         "producer that proves it holds the secret; without one, loopback addresses only. Engine ids are "
         "not accepted: the hand-off's engine id is the client's claim, like its address.",
     )
+    warm_up_s: float = Field(
+        default=60.0, ge=0, le=3600,
+        description="Consumer: for this long after start-up, shake hands with every trusted_producers entry "
+        "that names a port (this rank's producer rank: port + rank) and READ a little of its memory, every "
+        "second until it answers, so the first hand-off from it pays neither the handshake nor a cold READ; "
+        "a refusal or a wrong secret is logged then. 0: the first hand-off shakes hands.",
+    )
     store_unverified: bool = Field(
         default=False,
         description="Consumer with keep_received: also store hand-off chunks no hash could verify (mode "

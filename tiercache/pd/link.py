@@ -205,19 +205,53 @@ class PeerLinks:
         while True:
             attempt_s = min(HELLO_ATTEMPT_S, max(0.05, deadline - time.monotonic()))
             try:
-                return PeerLink(addr[0], addr[1], self.fingerprint, self.agent, attempt_s, self._key, self._vetter)
-            except AuthError as exc:
-                self.counters["auth_failures"] += 1
-                logger.error("tiercache P/D: %s", exc)
+                return self._attempt(addr, attempt_s)
+            except AuthError:
                 raise
-            except ChannelError as exc:
-                if "refused us" in str(exc) or "incompatible" in str(exc):
-                    self.refuse(addr, str(exc))
-                    raise
-                if time.monotonic() >= deadline:
+            except ChannelError:
+                if addr in self._refused or time.monotonic() >= deadline:
                     raise
             self.counters["hello_retries"] += 1
             time.sleep(0.05)
+
+    def _attempt(self, addr: Address, attempt_s: float) -> PeerLink:
+        """One handshake attempt; a refusal is remembered and an authentication failure counted."""
+        try:
+            return PeerLink(addr[0], addr[1], self.fingerprint, self.agent, attempt_s, self._key, self._vetter)
+        except AuthError as exc:
+            self.counters["auth_failures"] += 1
+            logger.error("tiercache P/D: %s", exc)
+            raise
+        except ChannelError as exc:
+            if "refused us" in str(exc) or "incompatible" in str(exc):
+                self.refuse(addr, str(exc))
+            raise
+
+    def warm(self, addr: Address) -> PeerLink | None:
+        """One handshake attempt with ``addr`` before any hand-off names it (start-up warm-up).
+
+        The link, kept as :meth:`get` keeps it; None: not yet (the producer is not reachable, or
+        the vetting process has not started): try again later. ChannelError: never (it refused
+        us, remembered as in :meth:`get`, or the authentication failed, counted and logged).
+        """
+        if addr in self:
+            return self._links[addr]
+        if addr in self._refused:
+            raise ChannelError(self._refused[addr])
+        if addr in self._links:  # the producer closed it: shake hands again, as get() would
+            self.drop(addr)
+        if not self._vetter.ready(self.timeout_s):
+            return None
+        try:
+            link = self._attempt(addr, HELLO_ATTEMPT_S)
+        except AuthError:
+            raise
+        except ChannelError:
+            if addr in self._refused:
+                raise
+            return None
+        self._links[addr] = link
+        return link
 
     def refuse(self, addr: Address, why: str) -> None:
         """Never read from ``addr`` again (an incompatible producer): ``why`` is the error each read gets."""

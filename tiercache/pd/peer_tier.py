@@ -30,7 +30,8 @@ Buffers: the consumer's KV blocks, a small tag buffer and one tag mirror per
 producer tag array are registered with this object's NIXL agent once; blocks
 named by ``submit_blocks`` are the load's own, written only by their job's READ.
 
-Threads: submit/poll/expect/close from the worker thread. A read runs on the
+Threads: submit/poll/expect/close from the worker thread; the warm-up's thread
+(:mod:`tiercache.pd.warm_up`) shakes hands before the first hand-off, under ``_io_lock``. A read runs on the
 I/O thread, except that with UCX error handling ``none`` (one-sided reads that
 cannot hang on the producer) a read from a producer already shaken hands with
 is tried inline, on the worker thread: in an engine pinned to one core the
@@ -59,22 +60,14 @@ from tiercache.pd.heads import HeadRun, PageHeads, head_runs, readers_of
 from tiercache.pd.link import PeerLink, PeerLinks
 from tiercache.pd.peer_chunks import PeerChunk as PeerChunk  # re-exported
 from tiercache.pd.peer_chunks import PeerSource as PeerSource
-from tiercache.pd.read_plans import (
-    PEER_DEVICE_TO_DEVICE as PEER_DEVICE_TO_DEVICE,  # re-exported: the metric paths
-)
-from tiercache.pd.read_plans import (
-    PEER_HOST_TO_DEVICE as PEER_HOST_TO_DEVICE,
-)
-from tiercache.pd.read_plans import (
-    IncompatibleBlocks,
-    block_plan,
-    head_plan,
-    slot_plan,
-)
+from tiercache.pd.read_plans import PEER_DEVICE_TO_DEVICE as PEER_DEVICE_TO_DEVICE  # re-exported
+from tiercache.pd.read_plans import PEER_HOST_TO_DEVICE as PEER_HOST_TO_DEVICE  # re-exported
+from tiercache.pd.read_plans import IncompatibleBlocks, block_plan, head_plan, slot_plan
 from tiercache.pd.tagged_reads import MustWait, TaggedReader
 from tiercache.pd.transfer_log import PEER_DATA_READ as PEER_DATA_READ  # re-exported: a metric path
 from tiercache.pd.transfer_log import Transfer, TransferLog
 from tiercache.pd.trust import ProducerTrust
+from tiercache.pd.warm_up import WarmUp
 from tiercache.shards import ShardError
 
 logger = logging.getLogger(__name__)
@@ -109,7 +102,7 @@ class NixlPeerTier:
         self.agent = make_agent("consumer", error_handling)
         self.counters = {"read_chunks": 0, "read_bytes": 0, "failed_chunks": 0, "refused_peers": 0,
                          "hello_retries": 0, "stale_chunks": 0, "inline_jobs": 0, "auth_failures": 0,
-                         "untrusted_peers": 0, "corrupt_chunks": 0,
+                         "untrusted_peers": 0, "corrupt_chunks": 0, "warmed_peers": 0,
                          "data_descs": 0}  # NIXL descriptors of data READs (tags not counted)
         # one tag per block of the largest possible job (a slot's tag per chunk: fewer)
         self._reads = TaggedReader(self.agent, max_blocks, self.counters)
@@ -124,6 +117,7 @@ class NixlPeerTier:
         self._done: list[JobResult] = []
         self._log = TransferLog()
         self._lock = threading.Lock()  # guards _done: finished by either thread, polled by the worker
+        self._warm_up: WarmUp | None = None
         self._thread = threading.Thread(target=self._run, name="tiercache-pd-reader", daemon=True)
         self._thread.start()
 
@@ -191,7 +185,17 @@ class NixlPeerTier:
         """
         return self._links.wait_ready(timeout_s)
 
+    def warm_up(self, producers: Sequence[tuple[str, int]], for_s: float) -> None:
+        """Shake hands with each producer rank in ``producers`` (those we trust) and READ a little of
+        its memory in the background, before any hand-off names it (:mod:`tiercache.pd.warm_up`)."""
+        trusted = [p for p in producers if self.trust.why_not(p[0], p[1] - self.rank) is None]
+        if trusted and for_s > 0:
+            self._warm_up = WarmUp(self._links, self._reads, self._io_lock, self.counters, self.read_timeout_s)
+            self._warm_up.start(trusted, for_s)
+
     def close(self) -> None:
+        if self._warm_up is not None:
+            self._warm_up.close()
         self._jobs.put(None)
         self._thread.join(timeout=self.read_timeout_s + 5)
         self._reads.close()

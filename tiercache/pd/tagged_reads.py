@@ -197,6 +197,33 @@ class TaggedReader:
         read_to_completion(self.agent, link.agent_name, link.address, local, local_mem, remote, remote_mem,
                            deadline, poll_burst_s)
 
+    def warm(self, link: PeerLink, deadline: float) -> int:
+        """READ a little of every producer region a hand-off from ``link`` reads; how many READs ran.
+
+        Before any hand-off (the consumer's start-up warm-up): each tag array the producer
+        publishes is read whole, through the mirror its hand-offs will use (made here, once),
+        and the first tag's worth of its host slab, of each plane of a planes slab and of
+        each region of its KV blocks (mode direct) into our tag buffer. The first hand-off then
+        finds UCX's endpoint wired and the producer's regions known, instead of paying for
+        both inside its READ. Nothing read here is used. ChannelError if a READ fails.
+        """
+        reads = 0
+        if link.num_slots:
+            self._read_tags(link, link.tags_addr, link.num_slots, [0], deadline, 0.002)
+            reads += 1
+        if link.blocks is not None and link.block_tags_addr:
+            self._read_tags(link, link.block_tags_addr, link.blocks.num_blocks, [0], deadline, 0.002)
+            reads += 1
+        regions: list[tuple[int, int, str]] = [(link.slab_addr, 0, "DRAM")] if link.slab_addr else []
+        for theirs in (link.slot_planes, link.blocks):
+            if theirs is not None:
+                regions += [(addr, device, theirs.mem_type) for addr, _, device, _ in theirs.spans()]
+        base = int(self._tags.ctypes.data)
+        for addr, device, mem in regions:  # one READ each: a READ's descriptors share one memory type
+            self._read_descs(link, [(base, TAG_BYTES, 0)], "DRAM", [(addr, TAG_BYTES, device)], mem, deadline, 0.002)
+            reads += 1
+        return reads
+
     def forget(self, link: PeerLink) -> None:
         """The link is dropped: close the mirrors of its producer's tag arrays (before its agent goes)."""
         for key in [k for k in self.mirrors if k[0] == link.agent_name]:
