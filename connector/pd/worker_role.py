@@ -115,7 +115,7 @@ class PDWorker(WorkerPD):
             self.peer.expose_blocks(blocks)  # hand-offs are READ straight into the blocks
             self.peer.page_heads = heads
             named = (parse_producer(entry) for entry in pd.trusted_producers)
-            self.peer.warm_up([(host, port + self.rank) for host, port in named if port is not None], pd.warm_up_s)
+            self.peer.warm_up([(host, port) for host, port in named if port is not None], pd.warm_up_s)
             readers[PEER_TIER] = self.peer
         return readers
 

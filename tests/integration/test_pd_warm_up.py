@@ -77,7 +77,7 @@ def test_a_producer_that_starts_later_is_warmed_up_when_it_answers() -> None:
     slab = torch.zeros((SLOTS, SLOT), dtype=torch.uint8)
     server = None
     try:
-        peer.warm_up([("127.0.0.1", port + 1)], for_s=30)  # rank 1 reads producer rank 1: port + 1
+        peer.warm_up([("127.0.0.1", port)], for_s=30)  # rank 1 reads producer rank 1: port + 1
         time.sleep(2.5)  # nobody listens: a few refused connections
         assert peer.counters["warmed_peers"] == 0
         server = ProducerEndpoint(slab.data_ptr(), SLOT, SLOTS, FP, "127.0.0.1", port + 1)

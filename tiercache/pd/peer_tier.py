@@ -31,8 +31,8 @@ producer tag array are registered with this object's NIXL agent once; blocks
 named by ``submit_blocks`` are the load's own, written only by their job's READ.
 
 Threads: submit/poll/expect/close from the worker thread; the warm-up's thread
-(:mod:`tiercache.pd.warm_up`) shakes hands before the first hand-off, under ``_io_lock``. A read runs on the
-I/O thread, except that with UCX error handling ``none`` (one-sided reads that
+(:mod:`tiercache.pd.warm_up`) shakes hands before the first hand-off, under
+``_io_lock``. A read runs on the I/O thread, except that with UCX error handling ``none`` (one-sided reads that
 cannot hang on the producer) a read from a producer already shaken hands with
 is tried inline, on the worker thread: in an engine pinned to one core the
 I/O thread shares that core with vLLM's spinning worker loop, and the inline
@@ -186,12 +186,13 @@ class NixlPeerTier:
         return self._links.wait_ready(timeout_s)
 
     def warm_up(self, producers: Sequence[tuple[str, int]], for_s: float) -> None:
-        """Shake hands with each producer rank in ``producers`` (those we trust) and READ a little of
-        its memory in the background, before any hand-off names it (:mod:`tiercache.pd.warm_up`)."""
-        trusted = [p for p in producers if self.trust.why_not(p[0], p[1] - self.rank) is None]
-        if trusted and for_s > 0:
+        """Shake hands with this rank's rank of each producer in ``producers`` (host, rank 0's port; those
+        we trust) and READ a little of its memory in the background, before any hand-off names it
+        (:mod:`tiercache.pd.warm_up`)."""
+        ranks = [(host, port + self.rank) for host, port in producers if self.trust.why_not(host, port) is None]
+        if ranks and for_s > 0:
             self._warm_up = WarmUp(self._links, self._reads, self._io_lock, self.counters, self.read_timeout_s)
-            self._warm_up.start(trusted, for_s)
+            self._warm_up.start(ranks, for_s)
 
     def close(self) -> None:
         if self._warm_up is not None:

@@ -18,9 +18,8 @@ vLLM's CPU platform forces, so they import vLLM themselves, as in production.
 ``TIERCACHE_ENGINE_FORKSERVER=0`` in the environment turns this off: every
 runner is then a fresh ``python -m tiercache.testing.engine_runner`` process.
 
-Threads: :func:`start_runner` may be called from any thread (the fork server's
-start is locked by ``multiprocessing``); a :class:`ForkedRunner` belongs to the
-thread that started it.
+Threads: a :class:`ForkedRunner` may be made on any thread (the fork server's
+start is locked by ``multiprocessing``) and belongs to the thread that made it.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ inside the pytest (or benchmark) process: :func:`run_engine` and
 holds the spec and result formats) in a process group of its own, forked from
 a fork server that imported vLLM once (:mod:`tiercache.testing.engine_forkserver`;
 ``TIERCACHE_ENGINE_FORKSERVER=0``: a fresh ``python -m
-tiercache.testing.engine_runner`` each time), drive its round barriers, enforce a timeout, kill the whole
-group at the end, and return the parsed result. :func:`random_prompts` builds
-token-id prompts for specs. Tests, benchmarks and the demo call these,
-mostly through :mod:`tiercache.testing.engine_runner`, which re-exports them.
+tiercache.testing.engine_runner`` each time), drive its round barriers,
+enforce a timeout, kill the whole group at the end, and return the parsed
+result. :func:`random_prompts` builds token-id prompts for specs. Tests,
+benchmarks and the demo call these, mostly through :mod:`tiercache.testing.engine_runner`, which re-exports them.
 Standard library only: importing it never imports vLLM.
 
 Threads: one caller thread drives an :class:`EngineRun`.
@@ -121,7 +121,7 @@ class EngineRun:
         if engine_forkserver.enabled():
             self.proc = engine_forkserver.ForkedRunner(argv, self.log_path, REPO_ROOT, _subprocess_env())
         else:
-            with open(self.log_path, "wb") as log:
+            with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen([sys.executable, "-m", "tiercache.testing.engine_runner", *argv],
                                              cwd=REPO_ROOT, env=_subprocess_env(), stdout=log,
                                              stderr=subprocess.STDOUT, start_new_session=True)
