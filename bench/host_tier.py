@@ -129,9 +129,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="CPU: force the copy plan with one memmove per run (no numpy gathers, no kernel), "
         "for before/after comparisons",
     )
-    add("--kernel", action="store_true",
-        help="CPU: copy with the opt-in rep-movsb kernel (tiercache/transfer/host_kernel.py, "
-        "TIERCACHE_HOST_KERNEL=1) and its batches")
+    add("--kernel", action=argparse.BooleanOptionalAction, default=True,
+        help="CPU: parts of 1 MiB and more copied by the compiled copy-plan executor where it was built "
+        "(tiercache/transfer/host_kernel.py, the default); --no-kernel: numpy gathers only, as with "
+        "TIERCACHE_HOST_KERNEL=0 (default on)")
     parser.add_seed()
     return parser.parse_args(argv)
 
@@ -539,7 +540,8 @@ def describe_run(
     else:
         copier = f"{args.threads or default_copy_threads()} copy thread(s)"
         copier += ", per-run copies" if args.per_run_copies else ""
-        copier += ", rep-movsb kernel (opt-in)" if args.kernel and not args.per_run_copies else ""
+        executor = args.kernel and not args.per_run_copies and host_kernel.run_kernel() is not None
+        copier += ", compiled executor from 1 MiB parts" if executor else ", numpy gathers only"
     return (
         f"host tier {device.type}: {geom.layers} layers of {shape} {geom.dtype}, "
         f"{geom.bytes_per_block} B/block, {page} B/page, "

@@ -22,7 +22,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 
-stamp="$venv/.tiercache-setup-$( (echo "$here"; cat "$here/pyproject.toml" "$0") | sha1sum | cut -c1-12)"
+stamp="$venv/.tiercache-setup-$( (echo "$here"; cat "$here/pyproject.toml" "$here/setup.py" "$0") | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing torch==2.13.0 (CPU build) first"
   "${pip[@]}" "torch==2.13.0"
@@ -39,6 +39,14 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 else
   echo "[setup] environment at $venv is current"
+fi
+# The compiled copy executor (setup.py) lives beside its source, not in the venv: a checkout the
+# venv has not built yet (a fresh clone at the same path, a changed copy_runs.c) is built here.
+native_src="$here/tiercache/transfer/native/copy_runs.c"
+native_so=$(ls "$here"/tiercache/transfer/_copy_runs*.so 2>/dev/null | head -1 || true)
+if [ -z "$native_so" ] || [ "$native_src" -nt "$native_so" ]; then
+  echo "[setup] building the compiled copy executor (tiercache/transfer/native/copy_runs.c)"
+  "${pip[@]}" --no-deps -e "$here"
 fi
 
 # redis-server: the Redis tier's tests; prometheus: the live scrape test (tests/e2e/test_prometheus_scrape.py)

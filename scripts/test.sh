@@ -6,4 +6,6 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$here/scripts/setup.sh"
 venv="${TIERCACHE_VENV:-$HOME/.cache/tiercache-venv}"
 cd "$here"
+# the compiled copy executor must have been built here (tests/unit/test_host_kernel.py)
+export TIERCACHE_REQUIRE_NATIVE="${TIERCACHE_REQUIRE_NATIVE:-1}"
 exec "$venv/bin/python" -m pytest -ra --durations=30 tests "$@"

@@ -90,11 +90,11 @@ def block_bytes(kvs: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
 
 @pytest.fixture(params=["kernel", "numpy", "per-run"])
 def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """kernel: every copy by the rep-movsb kernel (tiercache/transfer/host_kernel.py); numpy: the
-    gathers; per-run: one memmove per plan run (neither kernel nor gathers)."""
+    """kernel: every copy by the compiled copy-plan executor (tiercache/transfer/host_kernel.py);
+    numpy: the gathers; per-run: one memmove per plan run (neither executor nor gathers)."""
     if request.param == "kernel":
         if host_kernel.run_kernel(force=True) is None:
-            pytest.skip("no rep-movsb copy kernel on this machine")
+            pytest.skip("the copy executor was not built here (no C compiler)")
         monkeypatch.setattr(host_copier, "run_kernel", lambda: host_kernel.run_kernel(force=True))
         monkeypatch.setattr(host_copier, "KERNEL_MIN_BYTES", 0)
     else:

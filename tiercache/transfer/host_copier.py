@@ -62,13 +62,11 @@ class HostThreadCopier(BlockCopier):
     where a second core is free. The numpy copies release the GIL (see
     ``GIL_FREE_ITEMS``); each part costs about ten microseconds of Python.
 
-    With the copy kernel (:mod:`tiercache.transfer.host_kernel`, opt-in), a thread
-    that finds more parts queued takes them too, up to ``BATCH_BYTES``, and
-    copies them as one job per direction (one plan, one call): the small jobs
-    of a step (64-256 KiB chunks) then share the per-job cost of one. Parts in
-    flight were never ordered among themselves (two threads run them side by
-    side), so a batch orders nothing that was ordered; each part is still
-    reported on its own, with its own bytes.
+    Parts of :data:`KERNEL_MIN_BYTES` and more go to the compiled copy-plan
+    executor (:mod:`tiercache.transfer.host_kernel`) where it was built; smaller
+    ones keep the numpy gathers (less Python per part). Each part is copied alone:
+    taking the parts queued behind a thread as one batch measured slower on the
+    Intel VM at 256-512 KiB jobs (0.30-0.39 of memcpy against 0.51-0.68 alone).
 
     Results are released in submission order, so :meth:`poll` is FIFO.
     """
@@ -82,10 +80,10 @@ class HostThreadCopier(BlockCopier):
         planes: Sequence[torch.Tensor] | None = None,
     ) -> None:
         super().__init__(layout, slab, blocks_per_chunk, planes)
-        # The copy plan run by the rep-movsb kernel where it works (tiercache.transfer.host_kernel) for
-        # batches of parts and parts of KERNEL_MIN_BYTES and more; numpy gathers per slot for smaller
-        # single parts (less Python per job); the plan with one memmove per run where neither applies
-        # (no kernel, and layout planes or pages the gathers cannot address).
+        # The copy plan run by the compiled executor where it was built (tiercache.transfer.host_kernel)
+        # for parts of KERNEL_MIN_BYTES and more; numpy gathers per slot for smaller parts (less Python
+        # per part); the plan with one memmove per run where neither applies (no executor, and layout
+        # planes or pages the gathers cannot address).
         self._kernel = run_kernel() if _host_resident(layout, slab, planes) else None
         self._segment_copier = None if planes is not None else HostSegmentCopier.build(layout, slab, blocks_per_chunk)
         self._geometry = PlanGeometry.of(layout, slab, blocks_per_chunk, planes)
@@ -116,7 +114,7 @@ class HostThreadCopier(BlockCopier):
         sc = self._segment_copier
         if self._kernel is not None:
             small = f"numpy gathers ({len(sc.groups)} group(s))" if sc is not None else "the kernel"
-            return f"copy plan run by the rep-movsb kernel (batches, parts >= {KERNEL_MIN_BYTES} B); else {small}"
+            return f"copy plan run by the compiled executor (parts >= {KERNEL_MIN_BYTES} B); else {small}"
         if self.planes is not None:
             return "slab in planes: one memmove per region and run of blocks (copy plan)"
         if sc is None:
@@ -133,44 +131,6 @@ class HostThreadCopier(BlockCopier):
             self._running[seq] = _JobProgress(job, len(parts))
         for part in parts:
             self._parts.put((seq, part))
-
-    def _run_parts(self, items: list[_Part]) -> None:
-        """Copy the parts a thread took at once as one job per direction (see the class docstring).
-
-        A part whose segments fail :func:`check_segment` fails alone; a failed batch fails each of its parts.
-        Within a batch the stores run before the loads; the batch's time is shared out by bytes.
-        """
-        if len(items) == 1:
-            self._run_part(*items[0])
-            return
-        start = time.perf_counter()
-        checked: list[_Part] = []
-        for seq, part in items:
-            try:
-                for seg in part.segments:
-                    check_segment(self.layout, self.slab.shape[0], self.blocks_per_chunk, seg)
-                checked.append((seq, part))
-            except Exception as exc:  # noqa: BLE001 - a failed copy is a failed job, never a crash
-                self._part_done(seq, 0, repr(exc), start, time.perf_counter())
-        for direction in ("store", "load"):
-            batch = [(seq, part) for seq, part in checked if part.direction == direction]
-            if not batch:
-                continue
-            error = ""
-            try:
-                # the batch goes by its first part's job id (what a log or a test sees of it)
-                segments = tuple(seg for _, part in batch for seg in part.segments)
-                self._copy(CopyJob(batch[0][1].job_id, direction, segments))
-            except Exception as exc:  # noqa: BLE001 - every part of a failed batch fails
-                error = repr(exc)
-            end = time.perf_counter()
-            # the batch's time shared out by bytes, so that per-job seconds still add up to the copy's
-            sizes = [_part_bytes(part, self._block_bytes) for _, part in batch]
-            span, total, done = end - start, max(sum(sizes), 1), 0
-            for (seq, _), size in zip(batch, sizes):
-                first, done = start + span * done / total, done + size
-                self._part_done(seq, 0 if error else size, error, first, start + span * done / total)
-            start = end
 
     def _copy(self, job: CopyJob) -> int:
         small = self._kernel is None or _part_bytes(job, self._block_bytes) < KERNEL_MIN_BYTES
@@ -238,40 +198,20 @@ def _host_resident(layout: KVBlockLayout, slab: torch.Tensor, planes: Sequence[t
 _Part = tuple[int, CopyJob]  # (submission number, the segments of a job one thread copies)
 
 
-# A copy thread takes queued parts together up to this many bytes: enough to share one call's
-# Python among 64 KiB jobs, small enough that the other thread gets some.
-BATCH_BYTES = 1 << 20
-# A single part this big or bigger goes to the kernel even where numpy gathers could copy it: below,
-# the plan's ~20 us of numpy calls cost more than the faster copy saves (measured on one thread:
-# numpy ahead at 64-128 KiB, even at 256 KiB, the kernel ahead from there and in every batch).
-KERNEL_MIN_BYTES = 256 << 10
+# A part this big or bigger goes to the compiled executor even where numpy gathers could copy it: below,
+# the plan's ~20 us of numpy calls cost more than the faster copy saves (measured on the Intel VM with
+# two threads: the executor behind the gathers at 256-512 KiB parts, ahead from 1 MiB parts: jobs of
+# 2 MiB and more).
+KERNEL_MIN_BYTES = 1 << 20
 
 
 def _work(parts: queue.SimpleQueue[_Part | None], copier: weakref.ref[HostThreadCopier]) -> None:
-    """A copy thread: run parts until told to stop or the copier is gone.
-
-    Each thread consumes exactly one ``None`` (its stop): one met while taking
-    parts in a batch ends the thread after that batch.
-    """
-    stop = False
-    while not stop and (item := parts.get()) is not None:
+    """A copy thread: run parts until told to stop (its one ``None``) or the copier is gone."""
+    while (item := parts.get()) is not None:
         owner = copier()
         if owner is None:
             return
-        batch = [item]
-        # batches only with the kernel: without it they measured no faster, and each part is timed alone
-        budget = BATCH_BYTES - _part_bytes(item[1], owner._block_bytes) if owner._kernel is not None else 0
-        while budget > 0:
-            try:
-                nxt = parts.get_nowait()
-            except queue.Empty:
-                break
-            if nxt is None:
-                stop = True
-                break
-            batch.append(nxt)
-            budget -= _part_bytes(nxt[1], owner._block_bytes)
-        owner._run_parts(batch)
+        owner._run_part(*item)
         del owner
 
 
