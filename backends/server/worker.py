@@ -17,7 +17,8 @@ before; replies come in order, each checked against its request id by the
 client); over NIXL one request at a time. The thread reads a put's views
 and writes a get's views only while it runs their part; every value is a
 frame (:mod:`.frames`: built on put, verified on get before the key counts
-as loaded); over NIXL a chunk in registered memory
+as loaded; over TCP each ~256 KiB of a get's values is verified as soon as it
+arrived, while in the cache: :class:`_Checks`); over NIXL a chunk in registered memory
 moves in place and any other through the arena that is this thread's own
 (index ``index`` of the backend's
 :class:`~tiercache.server.nixl_client.NixlClientSide`), the frame header
@@ -254,10 +255,13 @@ class Worker:
     def _received(self, client: ServerClient, keys: list[bytes], views: list[memoryview], sub: list[int],
                   pending: Pending, frames: list[tuple[memoryview, memoryview]]) -> tuple[list[int], list[bool]]:
         """The reply of one pipelined request: a put's statuses, or a get's values verified."""
-        statuses, sizes = client.finish(pending)
         if pending.msg_type is p.MsgType.PUT:
+            statuses, _ = client.finish(pending)
             return sub, [s in p.OK_PUT for s in statuses]
-        return sub, self._verified([keys[i] for i in sub], [views[i] for i in sub], frames, statuses, sizes)
+        sub_keys = [keys[i] for i in sub]
+        checks = _Checks(self.backend.framer, sub_keys, frames)
+        statuses, sizes = client.finish(pending, checks.on_values)
+        return sub, self._verified(sub_keys, [views[i] for i in sub], frames, statuses, sizes, checks.intact)
 
     def _use_nixl(self, keys: list[bytes], views: list[memoryview]) -> bool:
         """NIXL for this request: the connection has it, the chunks outside registered memory fit
@@ -293,9 +297,12 @@ class Worker:
 
     def _get(self, client: ServerClient, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         framer = self.backend.framer
+        intact: dict[int, bool] = {}
         if not self._use_nixl(keys, views):
             frames = framer.get_values(keys, views)
-            statuses, sizes = client.get(keys, frames)
+            checks = _Checks(framer, keys, frames)
+            statuses, sizes = client.get(keys, frames, checks.on_values)
+            intact = checks.intact
         else:
             targets, addrs = self._place(client, views)
             head_lens = Framer.head_lens(keys)
@@ -308,17 +315,18 @@ class Worker:
                         view[:] = bytes(len(view))
                 raise
             frames = [(memoryview(h), t) for h, t in zip(heads, targets)]
-        return self._verified(keys, views, frames, statuses, sizes)
+        return self._verified(keys, views, frames, statuses, sizes, intact)
 
     def _verified(self, keys: list[bytes], views: list[memoryview], frames: Sequence[tuple[memoryview, memoryview]],
-                  statuses: list[p.Status], sizes: list[int]) -> list[bool]:
+                  statuses: list[p.Status], sizes: list[int], intact: dict[int, bool]) -> list[bool]:
         """Each got frame checked (a chunk staged in the arena delivered to its view once good); a
-        view that received bytes that failed is zeroed, and the key remembered as refused."""
+        view that received bytes that failed is zeroed, and the key remembered as refused.
+        ``intact``: the checks already made as the values arrived (:class:`_Checks`), by index."""
         framer = self.backend.framer
         ok: list[bool] = []
         refused: list[bytes] = []
-        for key, view, (head, body), status, size in zip(keys, views, frames, statuses, sizes):
-            good = status is p.Status.OK and framer.verified(key, head, body, size)
+        for i, (key, view, (head, body), status, size) in enumerate(zip(keys, views, frames, statuses, sizes)):
+            good = status is p.Status.OK and (intact[i] if i in intact else framer.verified(key, head, body, size))
             if good and body is not view:
                 framer.copy(view, body)  # verified in the arena, then delivered
                 self.backend.count("nixl_staged_bytes", len(view))
@@ -344,6 +352,22 @@ class Worker:
             client.agent_meta(metadata)
             self._meta_version = version
         return Framer.place(nixl.arena(self.index)[0], views, nixl.locate)
+
+
+class _Checks:
+    """A TCP get's frames checked as their values arrive (``on_values`` of
+    :meth:`tiercache.server.client.ServerClient.finish`), while their bytes are still in the
+    CPU's cache; :attr:`intact` holds each OK key's result by index. Used by one I/O thread."""
+
+    def __init__(self, framer: Framer, keys: list[bytes], frames: Sequence[tuple[memoryview, memoryview]]) -> None:
+        self.framer, self.keys, self.frames = framer, keys, frames
+        self.intact: dict[int, bool] = {}
+
+    def on_values(self, lo: int, hi: int, statuses: list[p.Status], sizes: list[int]) -> None:
+        for i in range(lo, hi):
+            if statuses[i] is p.Status.OK:
+                head, body = self.frames[i]
+                self.intact[i] = self.framer.verified(self.keys[i], head, body, sizes[i])
 
 
 def _batches(indices: list[int], sizes: list[int], max_keys: int, max_bytes: int) -> list[list[int]]:

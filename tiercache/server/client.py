@@ -13,8 +13,9 @@ blocks the other's sends). With a TLS
 context (:func:`tiercache.server.tls.client_context`) the connection is TLS,
 the server's certificate and name verified before HELLO is sent. PUT values are
 sent straight from the caller's buffers (``sendmsg``, no concatenation) and
-GET values are received straight into the caller's views; a view a failed
-request may have written into is zeroed before the error propagates. A value
+GET values are received straight into the caller's views (handed on group by
+group as they arrive with ``on_values``: :meth:`ServerClient.finish`); a view a
+failed request may have written into is zeroed before the error propagates. A value
 may be given as a tuple of pieces (the client tier's frame header, then the
 chunk's view): a PUT sends them as one value, a GET scatters the value over
 them in order. Over NIXL (PUT_REMOTE/GET_REMOTE) a value's head may travel
@@ -51,6 +52,12 @@ _Buffer = bytes | bytearray | memoryview
 _Value = _Buffer | tuple[_Buffer, ...]
 
 _PROGRESS_EVERY_S = 0.001
+#: A GET's values are handed to ``on_values`` (:meth:`ServerClient.finish`) in groups of about this many
+#: bytes: what one core's L2 cache still holds when the caller checks them. Loopback, 2-vCPU Intel
+#: Xeon: checking 1 MiB values group by group kept 0.95 of a raw receive, after the last 0.78.
+VALUE_GROUP_BYTES = 256 << 10
+#: ``on_values(lo, hi, statuses, sizes)``: keys ``lo`` to ``hi - 1`` of a GET have their values.
+OnValues = Callable[[int, int, list[p.Status], list[int]], None]
 #: What a client accepts in replies (the server's own limits are in Welcome).
 CLIENT_LIMITS = p.Limits(
     max_body_bytes=64 << 20, max_payload_bytes=1 << 40, max_keys=p.MAX_KEYS_CAP,
@@ -205,9 +212,11 @@ class ServerClient:
         body = p.PutRemote(list(keys), list(sizes), list(addrs), overwrite, [bytes(h) for h in heads])
         return _statuses(self._call(p.MsgType.PUT_REMOTE, body, p.PutReply, spin=True).status, len(keys))
 
-    def get(self, keys: Sequence[bytes], views: Sequence[_Value]) -> tuple[list[p.Status], list[int]]:
-        """Read each key into ``views[i]`` (its first ``sizes[i]`` bytes); statuses and sizes."""
-        return self.finish(self.send_get(keys, views))
+    def get(self, keys: Sequence[bytes], views: Sequence[_Value],
+            on_values: OnValues | None = None) -> tuple[list[p.Status], list[int]]:
+        """Read each key into ``views[i]`` (its first ``sizes[i]`` bytes); statuses and sizes
+        (``on_values``: as :meth:`finish`)."""
+        return self.finish(self.send_get(keys, views), on_values)
 
     def send_get(self, keys: Sequence[bytes], views: Sequence[_Value]) -> Pending:
         """Send a GET without waiting; :meth:`finish` receives the values into ``views``
@@ -216,9 +225,15 @@ class ServerClient:
         body = p.Get(list(keys), [sum(map(len, v)) for v in pieces])
         return self._send(p.MsgType.GET, body, len(keys), views=pieces)
 
-    def finish(self, pending: Pending) -> tuple[list[p.Status], list[int]]:
+    def finish(self, pending: Pending, on_values: OnValues | None = None) -> tuple[list[p.Status], list[int]]:
         """Read the reply of ``pending``, the oldest request in flight: its statuses, and for a
         GET the value sizes (a PUT's sizes are empty), the values received into its views.
+
+        ``on_values(lo, hi, statuses, sizes)`` (a GET's): called as soon as the values of keys
+        ``lo`` to ``hi - 1`` have arrived, in order, about :data:`VALUE_GROUP_BYTES` at a time,
+        so that the caller checks bytes still in the CPU's cache instead of all of them after
+        the last (keys without a value in that range: their status says so). An exception it
+        raises is an error like any other.
 
         Any error closes the connection (every other pending request is lost with it); a
         GET's views it may have written into are zeroed first.
@@ -240,16 +255,24 @@ class ServerClient:
             expected = sum(size for status, size in zip(statuses, got.sizes) if status is p.Status.OK)
             if expected != self._payload_len:
                 raise p.MalformedBody(f"GET reply carries {self._payload_len} bytes, sizes say {expected}")
-            targets: list[memoryview] = []
-            for value, status, size in zip(pending.views, statuses, got.sizes):
+            sizes = list(got.sizes)
+            for value, status, size in zip(pending.views, statuses, sizes):
+                if status is p.Status.OK and size > sum(map(len, value)):
+                    raise p.MalformedBody(f"a value of {size} bytes for a view of {sum(map(len, value))}")
+            # straight into the caller's views, scattered; a group of values at a time with on_values
+            group = _group_bytes(on_values, self._payload_len)
+            lo, targets, held = 0, [], 0
+            for i, (value, status, size) in enumerate(zip(pending.views, statuses, sizes)):
                 if status is p.Status.OK:
-                    room = sum(map(len, value))
-                    if size > room:
-                        raise p.MalformedBody(f"a value of {size} bytes for a view of {room}")
                     written += value
                     targets += _prefix(value, size)
-            stream.read_into_many(targets)  # straight into the caller's views, scattered
-            return statuses, list(got.sizes)
+                    held += size
+                if held >= group or i + 1 == len(sizes):
+                    stream.read_into_many(targets)
+                    if on_values is not None:
+                        on_values(lo, i + 1, statuses, sizes)
+                    lo, targets, held = i + 1, [], 0
+            return statuses, sizes
         except BaseException:
             for view in written:
                 view[:] = bytes(len(view))
@@ -363,6 +386,12 @@ class ServerClient:
             raise p.UnexpectedPayload("unexpected payload in a reply")
         self._payload_len = header.payload_len
         return p.decode_body(reply_cls, body_bytes)
+
+
+def _group_bytes(on_values: OnValues | None, payload_len: int) -> int:
+    """Bytes of values :meth:`ServerClient.finish` receives before handing them on: all at once
+    without a callback."""
+    return VALUE_GROUP_BYTES if on_values is not None else max(payload_len, 1)
 
 
 def _pieces(value: _Value) -> list[memoryview]:
