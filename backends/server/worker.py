@@ -17,8 +17,8 @@ before; replies come in order, each checked against its request id by the
 client); over NIXL one request at a time. The thread reads a put's views
 and writes a get's views only while it runs their part; every value is a
 frame (:mod:`.frames`: built on put, verified on get before the key counts
-as loaded; over TCP each ~256 KiB of a get's values is verified as soon as it
-arrived, while in the cache: :class:`_Checks`); over NIXL a chunk in registered memory
+as loaded; over TCP a get's frames are checked ~256 KiB at a time as their bytes
+arrive, while in the cache: :class:`~.arrival_checks.ArrivalChecks`); over NIXL a chunk in registered memory
 moves in place and any other through the arena that is this thread's own
 (index ``index`` of the backend's
 :class:`~tiercache.server.nixl_client.NixlClientSide`), the frame header
@@ -41,6 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from tiercache.backends.server.arrival_checks import ArrivalChecks
 from tiercache.backends.server.frames import Framer
 from tiercache.backends.server.settings import ServerSettings
 
@@ -259,8 +260,8 @@ class Worker:
             statuses, _ = client.finish(pending)
             return sub, [s in p.OK_PUT for s in statuses]
         sub_keys = [keys[i] for i in sub]
-        checks = _Checks(self.backend.framer, sub_keys, frames)
-        statuses, sizes = client.finish(pending, checks.on_values)
+        checks = ArrivalChecks(self.backend.framer, sub_keys, frames)
+        statuses, sizes = client.finish(pending, checks.on_data)
         return sub, self._verified(sub_keys, [views[i] for i in sub], frames, statuses, sizes, checks.intact)
 
     def _use_nixl(self, keys: list[bytes], views: list[memoryview]) -> bool:
@@ -300,8 +301,8 @@ class Worker:
         intact: dict[int, bool] = {}
         if not self._use_nixl(keys, views):
             frames = framer.get_values(keys, views)
-            checks = _Checks(framer, keys, frames)
-            statuses, sizes = client.get(keys, frames, checks.on_values)
+            checks = ArrivalChecks(framer, keys, frames)
+            statuses, sizes = client.get(keys, frames, checks.on_data)
             intact = checks.intact
         else:
             targets, addrs = self._place(client, views)
@@ -321,7 +322,8 @@ class Worker:
                   statuses: list[p.Status], sizes: list[int], intact: dict[int, bool]) -> list[bool]:
         """Each got frame checked (a chunk staged in the arena delivered to its view once good); a
         view that received bytes that failed is zeroed, and the key remembered as refused.
-        ``intact``: the checks already made as the values arrived (:class:`_Checks`), by index."""
+        ``intact``: the checks already made as the values arrived (:class:`~.arrival_checks.ArrivalChecks`),
+        by index."""
         framer = self.backend.framer
         ok: list[bool] = []
         refused: list[bytes] = []
@@ -352,22 +354,6 @@ class Worker:
             client.agent_meta(metadata)
             self._meta_version = version
         return Framer.place(nixl.arena(self.index)[0], views, nixl.locate)
-
-
-class _Checks:
-    """A TCP get's frames checked as their values arrive (``on_values`` of
-    :meth:`tiercache.server.client.ServerClient.finish`), while their bytes are still in the
-    CPU's cache; :attr:`intact` holds each OK key's result by index. Used by one I/O thread."""
-
-    def __init__(self, framer: Framer, keys: list[bytes], frames: Sequence[tuple[memoryview, memoryview]]) -> None:
-        self.framer, self.keys, self.frames = framer, keys, frames
-        self.intact: dict[int, bool] = {}
-
-    def on_values(self, lo: int, hi: int, statuses: list[p.Status], sizes: list[int]) -> None:
-        for i in range(lo, hi):
-            if statuses[i] is p.Status.OK:
-                head, body = self.frames[i]
-                self.intact[i] = self.framer.verified(self.keys[i], head, body, sizes[i])
 
 
 def _batches(indices: list[int], sizes: list[int], max_keys: int, max_bytes: int) -> list[list[int]]:

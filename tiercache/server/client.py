@@ -13,8 +13,8 @@ blocks the other's sends). With a TLS
 context (:func:`tiercache.server.tls.client_context`) the connection is TLS,
 the server's certificate and name verified before HELLO is sent. PUT values are
 sent straight from the caller's buffers (``sendmsg``, no concatenation) and
-GET values are received straight into the caller's views (handed on group by
-group as they arrive with ``on_values``: :meth:`ServerClient.finish`); a view a
+GET values are received straight into the caller's views (handed on piece by
+piece as they arrive with ``on_data``: :meth:`ServerClient.finish`); a view a
 failed request may have written into is zeroed before the error propagates. A value
 may be given as a tuple of pieces (the client tier's frame header, then the
 chunk's view): a PUT sends them as one value, a GET scatters the value over
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from tiercache.server import protocol as p
+from tiercache.server.client_values import OnData, receive_values
 from tiercache.server.tls_stream import TlsSyncStream
 from tiercache.server.wire import SyncStream
 
@@ -52,12 +53,6 @@ _Buffer = bytes | bytearray | memoryview
 _Value = _Buffer | tuple[_Buffer, ...]
 
 _PROGRESS_EVERY_S = 0.001
-#: A GET's values are handed to ``on_values`` (:meth:`ServerClient.finish`) in groups of about this many
-#: bytes: what one core's L2 cache still holds when the caller checks them. Loopback, 2-vCPU Intel
-#: Xeon: checking 1 MiB values group by group kept 0.95 of a raw receive, after the last 0.78.
-VALUE_GROUP_BYTES = 256 << 10
-#: ``on_values(lo, hi, statuses, sizes)``: keys ``lo`` to ``hi - 1`` of a GET have their values.
-OnValues = Callable[[int, int, list[p.Status], list[int]], None]
 #: What a client accepts in replies (the server's own limits are in Welcome).
 CLIENT_LIMITS = p.Limits(
     max_body_bytes=64 << 20, max_payload_bytes=1 << 40, max_keys=p.MAX_KEYS_CAP,
@@ -213,10 +208,10 @@ class ServerClient:
         return _statuses(self._call(p.MsgType.PUT_REMOTE, body, p.PutReply, spin=True).status, len(keys))
 
     def get(self, keys: Sequence[bytes], views: Sequence[_Value],
-            on_values: OnValues | None = None) -> tuple[list[p.Status], list[int]]:
+            on_data: OnData | None = None) -> tuple[list[p.Status], list[int]]:
         """Read each key into ``views[i]`` (its first ``sizes[i]`` bytes); statuses and sizes
-        (``on_values``: as :meth:`finish`)."""
-        return self.finish(self.send_get(keys, views), on_values)
+        (``on_data``: as :meth:`finish`)."""
+        return self.finish(self.send_get(keys, views), on_data)
 
     def send_get(self, keys: Sequence[bytes], views: Sequence[_Value]) -> Pending:
         """Send a GET without waiting; :meth:`finish` receives the values into ``views``
@@ -225,15 +220,16 @@ class ServerClient:
         body = p.Get(list(keys), [sum(map(len, v)) for v in pieces])
         return self._send(p.MsgType.GET, body, len(keys), views=pieces)
 
-    def finish(self, pending: Pending, on_values: OnValues | None = None) -> tuple[list[p.Status], list[int]]:
+    def finish(self, pending: Pending, on_data: OnData | None = None) -> tuple[list[p.Status], list[int]]:
         """Read the reply of ``pending``, the oldest request in flight: its statuses, and for a
         GET the value sizes (a PUT's sizes are empty), the values received into its views.
 
-        ``on_values(lo, hi, statuses, sizes)`` (a GET's): called as soon as the values of keys
-        ``lo`` to ``hi - 1`` have arrived, in order, about :data:`VALUE_GROUP_BYTES` at a time,
-        so that the caller checks bytes still in the CPU's cache instead of all of them after
-        the last (keys without a value in that range: their status says so). An exception it
-        raises is an error like any other.
+        ``on_data(ranges, statuses, sizes)`` (a GET's): called as soon as about
+        :data:`~tiercache.server.client_values.VALUE_GROUP_BYTES` more have arrived, ``ranges`` naming them as ``(key index,
+        start, end)`` byte ranges of the values: in order, each OK value's ranges covering it
+        exactly once from byte 0 (a large value in several calls), keys without a value never
+        named. So the caller checks bytes still in the CPU's cache instead of all of them
+        after the last. An exception it raises is an error like any other.
 
         Any error closes the connection (every other pending request is lost with it); a
         GET's views it may have written into are zeroed first.
@@ -259,19 +255,8 @@ class ServerClient:
             for value, status, size in zip(pending.views, statuses, sizes):
                 if status is p.Status.OK and size > sum(map(len, value)):
                     raise p.MalformedBody(f"a value of {size} bytes for a view of {sum(map(len, value))}")
-            # straight into the caller's views, scattered; a group of values at a time with on_values
-            group = _group_bytes(on_values, self._payload_len)
-            lo, targets, held = 0, [], 0
-            for i, (value, status, size) in enumerate(zip(pending.views, statuses, sizes)):
-                if status is p.Status.OK:
-                    written += value
-                    targets += _prefix(value, size)
-                    held += size
-                if held >= group or i + 1 == len(sizes):
-                    stream.read_into_many(targets)
-                    if on_values is not None:
-                        on_values(lo, i + 1, statuses, sizes)
-                    lo, targets, held = i + 1, [], 0
+            # straight into the caller's views, scattered; with on_data a group at a time
+            receive_values(stream, pending.views, statuses, sizes, on_data, written)
             return statuses, sizes
         except BaseException:
             for view in written:
@@ -388,27 +373,10 @@ class ServerClient:
         return p.decode_body(reply_cls, body_bytes)
 
 
-def _group_bytes(on_values: OnValues | None, payload_len: int) -> int:
-    """Bytes of values :meth:`ServerClient.finish` receives before handing them on: all at once
-    without a callback."""
-    return VALUE_GROUP_BYTES if on_values is not None else max(payload_len, 1)
-
-
 def _pieces(value: _Value) -> list[memoryview]:
     """A value's pieces as flat byte views."""
     views = [memoryview(x) for x in (value if isinstance(value, tuple) else (value,))]
     return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-
-
-def _prefix(pieces: list[memoryview], size: int) -> list[memoryview]:
-    """The views that hold the first ``size`` bytes of ``pieces``, in order."""
-    out = []
-    for piece in pieces:
-        if size <= 0:
-            break
-        out.append(piece[:size])
-        size -= len(piece)
-    return out
 
 
 def _statuses(raw: list[int], n: int) -> list[p.Status]:
