@@ -49,6 +49,8 @@ class ArrivalChecks:
             if sizes[i] != head_len + len(body):
                 continue  # not this frame's size: checked whole afterwards, which says why
             if start == 0:
+                if end < head_len:
+                    continue  # the header not whole in the first range: checked whole afterwards
                 try:
                     fields = check_header(head, namespace, key, len(body), mac=mac)
                 except IntegrityError:
@@ -57,7 +59,7 @@ class ArrivalChecks:
             if i not in self._open:
                 continue
             fields, digest = self._open[i]
-            digest.update(body[max(start - head_len, 0) : end - head_len])
+            digest.update(body[max(start - head_len, 0) : max(end - head_len, 0)])
             if end == sizes[i]:
                 del self._open[i]
                 try:

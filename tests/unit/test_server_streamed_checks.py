@@ -8,7 +8,8 @@ shapes (whole values, many small pieces, the header alone first). Passes: every
 intact frame, whatever the cut. Negative controls, each must leave the key out
 of ``intact`` (the worker then checks it whole and logs why it failed): one
 payload byte flipped anywhere, a frame of another key, another namespace, a
-value of the wrong size, a piece fed twice.
+value of the wrong size, a piece fed twice, a first range that ends inside the
+header.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def received(framer: Framer, keys: list[bytes], payloads: list[bytes]) -> tuple[
 
 
 def feed(checks: ArrivalChecks, sizes: list[int], cuts: str, rng: random.Random) -> None:
-    """Every value's bytes as ranges, in order: ``whole``, ``small`` (random pieces), ``header-first``."""
+    """Every value's bytes as ranges, in order: ``whole``, ``small`` (random pieces after the header, as
+    the client cuts: its first range always holds a whole header), ``header-first``."""
     ranges = []
     for i, size in enumerate(sizes):
         if cuts == "whole":
@@ -46,7 +48,8 @@ def feed(checks: ArrivalChecks, sizes: list[int], cuts: str, rng: random.Random)
         elif cuts == "header-first":
             bounds = [0, min(size, 64), size]
         else:
-            bounds = sorted({0, size, *(rng.randrange(1, size) for _ in range(5) if size > 1)})
+            head = len(checks.frames[i][0])
+            bounds = sorted({0, size, *(rng.randrange(head, size) for _ in range(5) if size > head)})
         ranges += [(i, a, b) for a, b in itertools.pairwise(bounds) if b > a]
     statuses = [p.Status.OK] * len(sizes)
     for at in range(0, len(ranges), 3):  # three ranges per call, as groups of values would come
@@ -115,3 +118,14 @@ def test_a_value_of_the_wrong_size_or_a_piece_fed_twice_fails(framer: Framer) ->
     half = sizes[2] // 2
     checks.on_data([(2, 0, half), (2, half - 100, sizes[2])], statuses, sizes)  # 100 bytes twice
     assert 2 not in checks.intact
+
+
+def test_a_first_range_inside_the_header_is_left_to_the_whole_check(framer: Framer) -> None:
+    rng = random.Random(9)
+    keys, payloads = payloads_of(rng)
+    frames, sizes = received(framer, keys, payloads)
+    checks = ArrivalChecks(framer, keys, frames)
+    statuses = [p.Status.OK] * len(keys)
+    checks.on_data([(2, 0, 10), (2, 10, sizes[2])], statuses, sizes)  # 10 bytes: not a whole header
+    assert 2 not in checks.intact
+    assert framer.verified(keys[2], *frames[2], sizes[2])  # the frame itself is intact
