@@ -32,13 +32,13 @@ class ArrivalChecks:
     :meth:`tiercache.server.client.ServerClient.finish`), while they are still in the CPU's
     cache: a frame's header when its first bytes are in, its checksum fed piece by piece
     (:class:`tiercache.integrity.FrameDigest`, MAC or xxh3), compared when its last are.
-    :attr:`intact` holds the keys that passed, by index; any other (a damaged frame, a value
+    :attr:`passed` holds the indices of the keys that passed; any other (a damaged frame, a value
     of the wrong size) is left to :meth:`Worker._verified`, which checks it whole and logs
     why it failed. Used by one I/O thread."""
 
     def __init__(self, framer: Framer, keys: list[bytes], frames: Sequence[tuple[memoryview, memoryview]]) -> None:
         self.framer, self.keys, self.frames = framer, keys, frames
-        self.intact: dict[int, bool] = {}
+        self.passed: set[int] = set()
         self._open: dict[int, tuple[FrameHeader, FrameDigest]] = {}  # frames whose bytes are arriving
 
     def on_data(self, ranges: list[tuple[int, int, int]], statuses: list[p.Status], sizes: list[int]) -> None:
@@ -66,4 +66,4 @@ class ArrivalChecks:
                     check_checksum(fields, digest.value(), key, mac=mac)
                 except IntegrityError:
                     continue
-                self.intact[i] = True
+                self.passed.add(i)

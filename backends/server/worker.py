@@ -262,7 +262,7 @@ class Worker:
         sub_keys = [keys[i] for i in sub]
         checks = ArrivalChecks(self.backend.framer, sub_keys, frames)
         statuses, sizes = client.finish(pending, checks.on_data)
-        return sub, self._verified(sub_keys, [views[i] for i in sub], frames, statuses, sizes, checks.intact)
+        return sub, self._verified(sub_keys, [views[i] for i in sub], frames, statuses, sizes, checks.passed)
 
     def _use_nixl(self, keys: list[bytes], views: list[memoryview]) -> bool:
         """NIXL for this request: the connection has it, the chunks outside registered memory fit
@@ -298,12 +298,12 @@ class Worker:
 
     def _get(self, client: ServerClient, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         framer = self.backend.framer
-        intact: dict[int, bool] = {}
+        passed: set[int] = set()
         if not self._use_nixl(keys, views):
             frames = framer.get_values(keys, views)
             checks = ArrivalChecks(framer, keys, frames)
             statuses, sizes = client.get(keys, frames, checks.on_data)
-            intact = checks.intact
+            passed = checks.passed
         else:
             targets, addrs = self._place(client, views)
             head_lens = Framer.head_lens(keys)
@@ -316,19 +316,19 @@ class Worker:
                         view[:] = bytes(len(view))
                 raise
             frames = [(memoryview(h), t) for h, t in zip(heads, targets)]
-        return self._verified(keys, views, frames, statuses, sizes, intact)
+        return self._verified(keys, views, frames, statuses, sizes, passed)
 
     def _verified(self, keys: list[bytes], views: list[memoryview], frames: Sequence[tuple[memoryview, memoryview]],
-                  statuses: list[p.Status], sizes: list[int], intact: dict[int, bool]) -> list[bool]:
+                  statuses: list[p.Status], sizes: list[int], passed: set[int]) -> list[bool]:
         """Each got frame checked (a chunk staged in the arena delivered to its view once good); a
         view that received bytes that failed is zeroed, and the key remembered as refused.
-        ``intact``: the checks already made as the values arrived (:class:`~.arrival_checks.ArrivalChecks`),
+        ``passed``: the indices of the frames that already passed as their values arrived (:class:`~.arrival_checks.ArrivalChecks`),
         by index."""
         framer = self.backend.framer
         ok: list[bool] = []
         refused: list[bytes] = []
         for i, (key, view, (head, body), status, size) in enumerate(zip(keys, views, frames, statuses, sizes)):
-            good = status is p.Status.OK and (intact[i] if i in intact else framer.verified(key, head, body, size))
+            good = status is p.Status.OK and (i in passed or framer.verified(key, head, body, size))
             if good and body is not view:
                 framer.copy(view, body)  # verified in the arena, then delivered
                 self.backend.count("nixl_staged_bytes", len(view))

@@ -6,7 +6,7 @@ by piece. Each case: frames made by the tier's own ``Framer`` (xxh3, and the
 keyed MAC), received into the tier's get buffers, fed in ranges of several
 shapes (whole values, many small pieces, the header alone first). Passes: every
 intact frame, whatever the cut. Negative controls, each must leave the key out
-of ``intact`` (the worker then checks it whole and logs why it failed): one
+of ``passed`` (the worker then checks it whole and logs why it failed): one
 payload byte flipped anywhere, a frame of another key, another namespace, a
 value of the wrong size, a piece fed twice, a first range that ends inside the
 header.
@@ -73,7 +73,7 @@ def test_intact_frames_pass_whatever_the_cut(framer: Framer, cuts: str) -> None:
     frames, sizes = received(framer, keys, payloads)
     checks = ArrivalChecks(framer, keys, frames)
     feed(checks, sizes, cuts, rng)
-    assert checks.intact == {i: True for i in range(len(keys))}
+    assert checks.passed == set(range(len(keys)))
     assert all(framer.verified(k, h, b, n) for k, (h, b), n in zip(keys, frames, sizes))  # the whole check agrees
 
 
@@ -88,7 +88,7 @@ def test_one_flipped_payload_byte_fails_its_frame_only(framer: Framer, cuts: str
         body[at] ^= 0x01
         checks = ArrivalChecks(framer, keys, frames)
         feed(checks, sizes, cuts, rng)
-        assert victim not in checks.intact and len(checks.intact) == len(keys) - 1
+        assert victim not in checks.passed and len(checks.passed) == len(keys) - 1
 
 
 def test_another_keys_or_namespaces_frame_fails(framer: Framer) -> None:
@@ -97,12 +97,12 @@ def test_another_keys_or_namespaces_frame_fails(framer: Framer) -> None:
     frames, sizes = received(framer, [b"other", *keys[1:]], payloads)  # key 0's value is another key's frame
     checks = ArrivalChecks(framer, keys, frames)
     feed(checks, sizes, "small", rng)
-    assert 0 not in checks.intact and len(checks.intact) == len(keys) - 1
+    assert 0 not in checks.passed and len(checks.passed) == len(keys) - 1
     foreign = Framer(b"other-ns", framer.mac, "test")
     frames, sizes = received(foreign, keys, payloads)
     checks = ArrivalChecks(framer, keys, frames)
     feed(checks, sizes, "whole", rng)
-    assert checks.intact == {}
+    assert checks.passed == set()
 
 
 def test_a_value_of_the_wrong_size_or_a_piece_fed_twice_fails(framer: Framer) -> None:
@@ -112,12 +112,12 @@ def test_a_value_of_the_wrong_size_or_a_piece_fed_twice_fails(framer: Framer) ->
     short = [sizes[0], sizes[1], sizes[2] - 1]  # the last value one byte short of its frame
     checks = ArrivalChecks(framer, keys, frames)
     feed(checks, short, "whole", rng)
-    assert 2 not in checks.intact and {0, 1} <= set(checks.intact)
+    assert 2 not in checks.passed and {0, 1} <= checks.passed
     checks = ArrivalChecks(framer, keys, frames)
     statuses = [p.Status.OK] * len(keys)
     half = sizes[2] // 2
     checks.on_data([(2, 0, half), (2, half - 100, sizes[2])], statuses, sizes)  # 100 bytes twice
-    assert 2 not in checks.intact
+    assert 2 not in checks.passed
 
 
 def test_a_first_range_inside_the_header_is_left_to_the_whole_check(framer: Framer) -> None:
@@ -127,5 +127,5 @@ def test_a_first_range_inside_the_header_is_left_to_the_whole_check(framer: Fram
     checks = ArrivalChecks(framer, keys, frames)
     statuses = [p.Status.OK] * len(keys)
     checks.on_data([(2, 0, 10), (2, 10, sizes[2])], statuses, sizes)  # 10 bytes: not a whole header
-    assert 2 not in checks.intact
+    assert 2 not in checks.passed
     assert framer.verified(keys[2], *frames[2], sizes[2])  # the frame itself is intact

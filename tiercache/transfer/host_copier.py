@@ -113,7 +113,7 @@ class HostThreadCopier(BlockCopier):
     def _describe(self) -> str:
         sc = self._segment_copier
         if self._kernel is not None:
-            small = f"numpy gathers ({len(sc.groups)} group(s))" if sc is not None else "the kernel"
+            small = f"numpy gathers ({len(sc.groups)} group(s))" if sc is not None else "the executor"
             return f"copy plan run by the compiled executor (parts >= {KERNEL_MIN_BYTES} B); else {small}"
         if self.planes is not None:
             return "slab in planes: one memmove per region and run of blocks (copy plan)"
