@@ -253,14 +253,17 @@ def chunk_segments(slot: int, group_block_ids: Sequence[Sequence[int]], chunk: i
 
 def load_segments(group_block_ids: Sequence[Sequence[int]], groups: Sequence[KVGroup], chunk: int, lo: int,
                   hi: int, bpc: int, block_size: int, null_block: int,
-                  with_state: bool = False) -> tuple[list[CopySegment], bool]:
-    """A load of blocks ``lo .. hi - 1`` of whole chunk ``chunk``: the segments its store kept, and whether
+                  with_state: bool = False, end_token: int | None = None) -> tuple[list[CopySegment], bool]:
+    """A load of blocks ``lo .. hi - 1`` of chunk ``chunk``: the segments its store kept, and whether
     they are every block vLLM needs there (False: the store left one out; the load must fail).
 
     ``with_state``: the chunk is the hit's last, loaded from its state key; each state group's block
     at the chunk's end must be allocated (the state vLLM resumes from). A state group's other
-    blocks are never read before the engine writes them, whatever vLLM allocated there."""
-    floors = kept_from(groups, chunk, (chunk + 1) * bpc * block_size, bpc, block_size, with_state)
+    blocks are never read before the engine writes them, whatever vLLM allocated there.
+    ``end_token``: where a partial chunk's store ended (a P/D prompt tail, a partial chunk), whose
+    window groups kept blocks from further back than a whole chunk's (:func:`kept_from`); None: whole."""
+    end = (chunk + 1) * bpc * block_size if end_token is None else end_token
+    floors = kept_from(groups, chunk, end, bpc, block_size, with_state)
     kept = chunk_segments(-1, group_block_ids, chunk, lo, hi, bpc, null_block, floors)
     left_out = any(b != null_block for g, ids, floor in zip(groups, group_block_ids, floors)
                    if g.kind != STATE for b in ids[lo:min(floor, hi)])

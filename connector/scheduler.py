@@ -27,6 +27,7 @@ from tiercache.connector.kv_groups import load_segments, null_block_id, state_gr
 from tiercache.connector.lookup_hold import hold_for_busy_chunk
 from tiercache.connector.lower_tiers import ask_shared_tiers, lower_tier_specs, make_backends, recover_lower_tiers
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.connector.partial_chunks import partial_keys_from
 from tiercache.connector.pd.roles import GroupBlockIds, SchedulerPD, pd_settings
 from tiercache.connector.pd.scheduler_role import PDScheduler, peer_tier_specs
 from tiercache.connector.scheduler_faults import SchedulerFaults
@@ -96,6 +97,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         # state-layer groups (connector/state_chunks.py): a hit ends at a chunk stored with its state
         self._state_groups = state_group_indices(self._groups)
         self._store_incomplete = config.faults.store_incomplete_chunks  # negative control only
+        self._partials = config.partial_chunks and pd is None and not self._state_groups  # partial_chunks.py
         self._async_loads = config.load_mode == "async" or self._by_request
         self._step_failed_loads: list[str] = []
         self._reqs: dict[str, RequestState] = {}
@@ -139,15 +141,16 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
     ) -> tuple[int | None, bool]:
         self._state(request).lookup_tokens = request.num_tokens - num_computed_tokens  # counted once allocated
         keys = self.keys.chunk_keys(request.block_hashes)
-        if not keys:
+        if not keys and not (self._partials and request.block_hashes):
             return 0, False
         tail = self.pd.lookup(request, keys)  # a P/D hand-off's prompt tail (connector/prompt_tail.py)
         hits = self.manager.lookup(keys) or 0
         state_keys = state_keys_to_ask(keys, request.num_tokens - 1, self.chunk_tokens, self.keys.state_key) \
             if self._state_groups else []
-        if self._shared is not None and (hits < len(keys) or state_keys):
+        partial_keys = partial_keys_from(request.block_hashes, self.keys, hits) if self._partials else []
+        if self._shared is not None and (hits < len(keys) or state_keys or partial_keys):
             asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
-                                     self.manager, state_keys)
+                                     self.manager, [*state_keys, *partial_keys])
             if asked is None:
                 self._count("lookups_deferred", 1)  # a shared tier still thinking: a step later
                 return None, False  # vLLM asks again on a later step (waited at most lookup_wait_s)
@@ -167,6 +170,9 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         covered = hits * self.chunk_tokens
         if tail is not None and hits == len(keys) and self.manager.lookup([tail]):
             covered = request.num_prompt_tokens  # a P/D hand-off's prompt tail (connector/prompt_tail.py)
+        partial = self._partial_hit(request, hits) if self._partials else None
+        if partial is not None:  # the blocks after the hit's last full chunk, from a request that ended there
+            covered = partial.end_token(self.block_size)
         # vLLM must compute at least the last prompt token itself. When every chunk of the
         # prompt hits (its length is a multiple of the chunk, or a hand-off brought its tail),
         # the last chunk loads whole and vLLM computes that one token, as after NixlConnector's
@@ -178,6 +184,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         st = self._state(request)
         st.lookup_local_tokens = num_computed_tokens
         st.lookup_hit_tokens = hit_tokens
+        st.partial = partial
         return hit_tokens - num_computed_tokens, self._async_loads
 
     def update_state_after_alloc(
@@ -204,11 +211,15 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         with_state = bool(self._state_groups)  # the last chunk loads with its end state
         if with_state:
             keys = keys[:-1] + (self.keys.state_key(keys[-1]),)
-        if last_chunk == len(chunk_keys):
+        partial, st.partial, tail_end = st.partial, None, 0  # tail_end: after a partial last chunk's tokens
+        if partial is not None and partial.chunk == last_chunk:  # in place of the chunk's key
+            keys, tail_end = keys[: last_chunk - first_chunk] + (partial.key,), partial.end_token(bs)
+            st.partial_stored = partial  # superseded by the request's own next one (_add_partial)
+        elif last_chunk == len(chunk_keys):
             tail = self.pd.load_tail(request, len(chunk_keys))
             if tail is None:
                 raise RuntimeError(f"tiercache: load of {request.request_id} up to token {end} without its prompt tail")
-            keys += (tail,)
+            keys, tail_end = keys + (tail,), request.num_prompt_tokens
         plan = self.manager.prepare_load(keys)
         chunks: list[LoadChunk] = []
         tokens_by_tier: dict[str, int] = {}
@@ -216,8 +227,9 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
             lo = max(start, chunk * ct) // bs
             hi = -(-min(end, (chunk + 1) * ct) // bs)  # a partial last block loads whole
             runs, kept_all = load_segments(tables, self._groups, chunk, lo, hi, bpc, bs, self._null_block,
-                                           with_state=with_state and chunk == last_chunk)
-            if not (kept_all or chunk == len(chunk_keys) or self._store_incomplete):  # (a tail: not checked)
+                                           with_state=with_state and chunk == last_chunk,
+                                           end_token=tail_end if chunk == last_chunk and tail_end else None)
+            if not (kept_all or self._store_incomplete):
                 # vLLM allocated a window block before what a store keeps: recomputed, never stale
                 faults.record(faults.WINDOW_BLOCK_NOT_STORED, f"chunk {chunk} of {request.request_id}", where="load")
                 self._step_failed_loads.append(request.request_id)

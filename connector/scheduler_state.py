@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tiercache.connector.partial_chunks import PartialChunk
     from vllm.v1.request import Request
 
 
@@ -25,6 +26,8 @@ class RequestState:
     shared_asked: bool = False  # the shared tiers answered for this request already
     held_since: float | None = None  # first lookup held for a busy chunk (connector/lookup_hold.py)
     tail_stored: bool = False  # P/D producer, via_host: the prompt's tail was offered to the host tier
+    partial: PartialChunk | None = None  # the partial chunk ending the last lookup's hit (partial_chunks.py)
+    partial_stored: PartialChunk | None = None  # the request's latest partial chunk (stored or loaded)
 
     def reoffer(self, chunk_keys: list[bytes], failed: set[bytes]) -> None:
         """Chunks whose load failed (of ``chunk_keys``, the request's): offer them for storing again."""

@@ -7,6 +7,9 @@ its ``build_connector_meta``:
   by default, generated tokens) under their chunk keys, each only with every
   block a later hit may load (connector/kv_groups.py ``storable``), and a P/D
   producer's prompt tail;
+  a request's partial chunk (connector/partial_chunks.py: the blocks its
+  computed tokens fill past its last full chunk, once its prompt is computed;
+  :meth:`_partial_hit` is the lookup's side of it);
 * :meth:`_plan_state_stores`: a state-layer model's chunks whose end state vLLM
   offered this step, under their state keys (connector/state_chunks.py).
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.kv_groups import KVGroup, chunk_segments, storable
+from tiercache.connector.partial_chunks import PartialChunk, partial_candidates, partial_to_store
 from tiercache.connector.scheduler_state import RequestState
 from tiercache.connector.state_chunks import StateOffers, state_offers, with_state_blocks
 from tiercache.connector.store_pins import StorePins
@@ -58,6 +62,7 @@ class SchedulerStores:
     _store_incomplete: bool
     _null_block: int
     _reqs: dict[str, RequestState]
+    _partials: bool
     _kv_cache_manager: KVCacheManager | None
 
     def _new_job_id(self, direction: str, owner: str, keys: tuple[bytes, ...]) -> int:
@@ -82,6 +87,8 @@ class SchedulerStores:
         extent = {key: (first + i, (first + i + 1) * ct) for i, key in enumerate(keys)}  # chunk, end token
         if tail is not None:  # its blocks, the last partly filled
             extent[tail.key] = (tail.chunk, tail.chunk * ct + tail.tokens)
+        if self._partials and computed_after >= request.num_prompt_tokens:  # prompt computed: every new block
+            self._add_partial(st, min(computed_after, self._store_limit(request)), extent)
         if not extent:
             return None
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
@@ -92,6 +99,30 @@ class SchedulerStores:
             self._count("incomplete_chunks_skipped", len(extent) - len(floors))
         return self._store_job(req_id, {key: (extent[key][0], -(-extent[key][1] // self.block_size), tables, f)
                                         for key, f in floors.items()})
+
+    def _add_partial(self, st: RequestState, computed: int, extent: dict[bytes, tuple[int, int]]) -> None:
+        """Add the request's partial chunk (connector/partial_chunks.py) to a store's ``extent`` (key -> chunk,
+        end token) when its computed tokens filled a block past their last full chunk since the last one;
+        the partial chunk it supersedes (a prefix of it, or of a full chunk stored now) is dropped."""
+        partial = partial_to_store(st.request.block_hashes, computed, self.keys, self.block_size)
+        old = st.partial_stored
+        if partial is not None and old is not None and partial.key == old.key:
+            return  # no new block since
+        if old is not None:
+            self.manager.discard([old.key])  # superseded (dropped once READY; a load in flight keeps its slot)
+        st.partial_stored = partial
+        if partial is not None and not self.manager.lookup([partial.key]):
+            end = partial.end_token(self.block_size)
+            if self.config.faults.partial_chunk_short_block:
+                end -= self.block_size  # negative control: the key's last block is never stored
+            extent[partial.key] = (partial.chunk, end)
+            self._count("partial_chunks_planned", 1)
+
+    def _partial_hit(self, request: Request, chunk: int) -> PartialChunk | None:
+        """The longest partial chunk of ``request`` inside chunk ``chunk`` (where its hit stops) that a tier
+        holds (connector/partial_chunks.py)."""
+        return next((p for p in partial_candidates(request.block_hashes, self.keys, chunk)
+                     if self.manager.lookup([p.key])), None)
 
     def _store_job(self, req_id: str, chunks: StoreChunks) -> StoreJob | None:
         """A store job for ``chunks`` (key -> its chunk, end block, block tables and kept floors), the host

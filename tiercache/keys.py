@@ -38,6 +38,9 @@ GROUP_IDX_BYTES = 4
 # The group-index field of a chunk's *state* key (KeySpace.state_key): the chunk with the recurrent
 # state at its end (connector/kv_groups.py); no KV-cache group index comes near it.
 STATE_KEY_GROUP = 0x53544154  # "STAT"
+# The group-index field of a *partial* chunk's key (KeySpace.partial_key): a chunk's first blocks,
+# stored when a request ends inside it (connector/partial_chunks.py).
+PARTIAL_KEY_GROUP = 0x50415254  # "PART"
 
 # Hash algorithms whose chained block hashes are equal across processes (with
 # vLLM's fixed default seed). Others are process-random unless PYTHONHASHSEED is set.
@@ -133,6 +136,13 @@ class KeySpace:
         """The key of chunk ``chunk_key`` stored *with* the recurrent state at its end (a state-layer
         model's chunk a hit may end at; connector/kv_groups.py): the chunk key, another group field."""
         return chunk_key[:-GROUP_IDX_BYTES] + STATE_KEY_GROUP.to_bytes(GROUP_IDX_BYTES, "big")
+
+    def partial_key(self, last_block_hash: bytes) -> bytes:
+        """The key of a *partial* chunk: a chunk's blocks up to and including the block whose chained
+        hash is ``last_block_hash`` (a block inside the chunk, never its last: that is the chunk key).
+        The hash covers every earlier token, so the key names the prefix and its length; the group
+        field keeps it apart from every chunk and state key (connector/partial_chunks.py)."""
+        return self.digest + last_block_hash + PARTIAL_KEY_GROUP.to_bytes(GROUP_IDX_BYTES, "big")
 
     def tail_key(self, parent_hash: bytes, first_token: int, tokens: Sequence[int], extra: bytes = b"",
                  group_idx: int = 0) -> bytes:

@@ -37,7 +37,10 @@ vLLM's own cache, whose window group holds only the last window's blocks, so
 P's chunk 2 cannot be stored whole again (its first two window blocks are
 vLLM's null block); (10) after ``reset_prefix_cache()``, P's first three chunks
 with another ending: a hit on chunk 2 would load window-group positions nobody
-wrote.
+wrote. ``small_host``, ``incomplete_stores`` and ``big_chunk`` store whole chunks only
+(``partial_chunks: false``): partial chunks would take slots of the small host tier
+and add to the bytes stored; ``host`` and ``disk`` store them (round 3's later turns
+hit them, both groups' blocks).
 
 Bytes moved per hit token (tiercache's ``host_to_device`` transfer bytes over its
 hit tokens, rounds 2, 3 and 5) are printed, with the bytes stored per token, for
@@ -137,6 +140,10 @@ def spec(model: pathlib.Path, name: str, disk_root: pathlib.Path) -> dict[str, A
         kv_extra = {"host_capacity": SMALL_HOST_CHUNKS * CHUNK * FULL_KV_BYTES_PER_TOKEN}
         if name == "incomplete_stores":
             kv_extra["faults"] = {"store_incomplete_chunks": True}
+    if name in ROUNDS_OF:
+        # these engines check whole chunks' window rule (eviction order, bytes per chunk): without the
+        # partial chunks (connector/partial_chunks.py) that would take slots and add stored bytes
+        kv_extra["partial_chunks"] = False
     rounds = [r for i, r in enumerate(workload()) if i in ROUNDS_OF.get(name, range(99))]
     return engine_spec(model, BIG_CHUNK if name == "big_chunk" else CHUNK, lower, rounds, kv_extra=kv_extra,
                        num_gpu_blocks_override=ENGINE_BLOCKS, env=ENV)
@@ -252,14 +259,18 @@ def test_hits_served_by_tiercache(runs: dict[str, dict[str, Any]], rnd: int, nam
 
 @pytest.mark.parametrize("name", ["host", "disk"])
 def test_conversation_hits_generated_tokens(runs: dict[str, dict[str, Any]], name: str) -> None:
-    """Turn 2 hits the chunk completed while turn 1 was decoding; every later turn hits."""
+    """Turn 2 hits the chunk completed while turn 1 was decoding; every later turn hits up to the turn
+    before's last full block, both groups' blocks of a partial chunk included."""
     turns = runs[name]["rounds"][CONV_ROUND]["requests"]
     assert turns[0]["prompt_len"] == FIRST_PROMPT
     decoded_until = FIRST_PROMPT + CONV_MAX_TOKENS - 1  # the last sampled token has no KV
     expected = (decoded_until // CHUNK) * CHUNK
     assert expected > FIRST_PROMPT
     assert turns[1]["num_cached_tokens"] == expected, [t["num_cached_tokens"] for t in turns]
-    assert all(t["num_cached_tokens"] > 0 for t in turns[1:]), [t["num_cached_tokens"] for t in turns]
+    # every later turn up to the last one's last full block, mid-chunk too (connector/partial_chunks.py)
+    ends = [(t["prompt_len"] + CONV_MAX_TOKENS - 1) // BLOCK * BLOCK for t in turns[:-1]]
+    assert [t["num_cached_tokens"] for t in turns[1:]] == ends, [t["num_cached_tokens"] for t in turns]
+    assert any(end % CHUNK for end in ends)  # (one of them is a partial chunk's)
 
 
 def test_disk_tier_serves_hits(runs: dict[str, dict[str, Any]]) -> None:

@@ -129,6 +129,11 @@ class FaultConfig(_Frozen):
         description="Store a hybrid model's chunks even when a window group lacks blocks a later hit loads, "
         "and load without checking (a negative control only: the stale slot positions reach vLLM).",
     )
+    partial_chunk_short_block: bool = Field(
+        default=False,
+        description="Store each partial chunk one block short of what its key names, and load it whole "
+        "(a negative control only: the block a later hit loads was never stored).",
+    )
     corrupt_loads_group: int | None = Field(
         default=None, ge=0,
         description="Loads succeed but zero the loaded blocks of this KV-cache group only (a hybrid "
@@ -214,6 +219,12 @@ class TierCacheConfig(YamlBackedSettings):
     )
     offload_decode_tokens: bool = Field(
         default=True, description="Also store chunks filled by generated tokens (multi-turn hits)."
+    )
+    partial_chunks: bool = Field(
+        default=True,
+        description="When a request ends inside a chunk, also store that chunk's full blocks under a "
+        "partial-chunk key, so a conversation's next turn reuses its KV up to the last full block instead "
+        "of the last full chunk (one more store per request; not for P/D roles or state-layer models).",
     )
     namespace_salt: str = Field(
         default="", description="Tenant salt mixed into every key's namespace digest."
