@@ -13,9 +13,11 @@ group's load reaches back from the partial chunk's own end.
 
 from __future__ import annotations
 
+import pathlib
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from tiercache.connector.engine_info import ChunkGeometry, EngineGeometry
 from tiercache.connector.kv_groups import FULL, SLIDING_WINDOW, KVGroup, load_segments
 from tiercache.connector.metadata import JobReport, TierCacheWorkerMetadata
@@ -26,9 +28,11 @@ from tiercache.connector.partial_chunks import (
 )
 from tiercache.connector.scheduler import TierCacheScheduler
 
+from tests.unit.test_shared_lookup import SlowTier
 from tiercache.config.schema import load_config
 from tiercache.jobs import CopySegment, FromHost
 from tiercache.keys import KeySpace, Namespace
+from tiercache.tiers.shared_lookup import SharedLookup
 
 BLOCK = 32
 BPC = 4  # 128-token chunks
@@ -69,9 +73,9 @@ def test_candidates_are_the_blocks_of_the_chunk_a_hit_stops_in_longest_first() -
     assert keys.partial_key(h[9]) != keys.partial_key(hashes(11, salt=2)[9])
 
 
-def scheduler(**config: Any) -> TierCacheScheduler:
-    cfg = load_config(chunk_tokens=BPC * BLOCK, tiers=[{"name": "cpu", "backend": "cpu", "capacity": 16 * 4096 * BPC}],
-                      **config)
+def scheduler(*lower: dict[str, Any], **config: Any) -> TierCacheScheduler:
+    cfg = load_config(chunk_tokens=BPC * BLOCK, tiers=[{"name": "cpu", "backend": "cpu", "capacity": 16 * 4096 * BPC},
+                                                       *lower], **config)
     engine = EngineGeometry(model="m", kv_dtype="torch.float32", kv_layout="NHD", block_size=BLOCK, tp_size=1,
                             world_size=1, bytes_per_block=4096, hash_algo="sha256")
     sched = TierCacheScheduler(cfg, ChunkGeometry.build(cfg, engine))
@@ -180,6 +184,24 @@ def test_no_partial_chunk_while_the_prompt_is_still_being_prefilled() -> None:
     sched.get_num_new_matched_tokens(a, 0)
     (store,) = step(sched, a=6 * BLOCK).stores  # a chunked prefill's first step ends inside chunk 1
     assert store.keys == tuple(sched.keys.chunk_keys(a.block_hashes)[:1])
+
+
+@pytest.mark.parametrize("with_partial", [True, False])
+def test_a_partial_chunk_another_engine_left_in_a_shared_tier_is_found(tmp_path: pathlib.Path,
+                                                                      with_partial: bool) -> None:
+    """The shared tier is asked about the partial keys with the chunk keys (its answer sets where the hit
+    stops); control: without the partial chunk there, the hit stops at the full chunks."""
+    sched = scheduler({"name": "ssd", "backend": "disk", "capacity": "1MiB", "options": {"root": str(tmp_path)}})
+    wanted = request("b", 12, computed=0)
+    held = [*sched.keys.chunk_keys(wanted.block_hashes)[:2]] + \
+        ([sched.keys.partial_key(hashes(12)[9])] if with_partial else [])
+    tier = SlowTier(0.0)
+    tier.submit_put(1, held, [memoryview(bytearray(8))] * len(held))
+    sched._shared = SharedLookup({"ssd": tier}, timeout_s=5.0, first_wait_s=1.0)
+    try:
+        assert sched.get_num_new_matched_tokens(wanted, 0) == ((10 if with_partial else 8) * BLOCK, False)
+    finally:
+        sched._shared.close()
 
 
 def test_a_window_groups_load_reaches_back_from_the_partial_chunks_own_end() -> None:
