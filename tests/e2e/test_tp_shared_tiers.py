@@ -8,7 +8,7 @@ float32; a TP=2 engine's two workers share core 0: with one on each of this
 machine's two cores, vLLM's spinning workers and engine core starved
 redis-server and the scheduler's lookup thread, and lookups and stores timed out):
 
-* ``base1`` / ``base2``: TP=1 and TP=2 without tiercache, prompts P then Q;
+* ``base1`` / ``base2``: TP=1 and TP=2 without tiercache, prompts P then Q (and R at TP=2);
 * ``a_tp2``: TP=2, Redis and the cache server behind the host tier: computes
   P; every head's shard goes through to both;
 * ``c_tp1``: TP=1, Redis, a new process: P hits the shards the TP=2 engine
@@ -18,7 +18,9 @@ redis-server and the scheduler's lookup thread, and lookups and stores timed out
 * ``b_tp2``: TP=2, Redis, a new process: P (some shards evicted: misses or
   failed loads that recompute) and Q (written by the TP=1 engine);
 * ``s_tp2``: TP=2, cache server only, a new process: P hits what ``a_tp2``
-  wrote there;
+  wrote there; then R (prompts of three chunks and two blocks), and R again
+  after resetting the engine's cache and the host tier: R's partial chunks
+  (connector/partial_chunks.py) come back from the server, each rank its head;
 * ``control``: the negative control. TP=2, Redis, with rank separation off
   (``TIERCACHE_TEST_SHARDS_IGNORE_RANK=1``, every rank stores under the plain
   chunk key: the bug this guards against). P, then P again from Redis (host
@@ -46,6 +48,7 @@ from .conftest import engine_spec, free_port
 CHUNK = 128
 P = random_prompts(3, 400, seed=61)
 Q = random_prompts(3, 400, seed=62)
+R = random_prompts(2, 3 * 128 + 2 * 32 + 12, seed=63)  # three chunks, two blocks and 12 tokens
 BIND = {1: {"VLLM_CPU_OMP_THREADS_BIND": "0"}, 2: {"VLLM_CPU_OMP_THREADS_BIND": "0|0"}}
 EVICT_BYTES = 3 << 20  # about a dozen of P's 256 KiB shards
 
@@ -116,13 +119,15 @@ def runs(tiny_model: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> 
             out[name] = run_engine(spec(tiny_model, *args, **kwargs), timeout_s=500, workdir=tmp / name)
 
         run("base1", 1, None, [plain(P), plain(Q)])
-        run("base2", 2, None, [plain(P), plain(Q)])
+        run("base2", 2, None, [plain(P), plain(Q), plain(R, max_tokens=3)])
         run("a_tp2", 2, [redis_tier(redis.url), server_tier(server.address)], [plain(P)])
         p_keys = set(redis.client().keys("*"))  # P's shards (c_tp1 adds Q's)
         run("c_tp1", 1, [redis_tier(redis.url)], [plain(P), plain(Q)])
         out["evicted"] = evict_oldest(redis, EVICT_BYTES, p_keys)
         run("b_tp2", 2, [redis_tier(redis.url)], [plain(P), plain(Q)])
-        run("s_tp2", 2, [server_tier(server.address)], [plain(P)])
+        run("s_tp2", 2, [server_tier(server.address)],
+            [plain(P), plain(R, max_tokens=3),  # (three tokens: no decode step fills another block)
+             plain(R, max_tokens=3, reset_prefix_cache_before=True, reset_connector=True)])
         redis.client().flushall()
         run("control", 2, [redis_tier(redis.url)],
             [plain(P), plain(P, reset_prefix_cache_before=True, reset_connector=True)],
@@ -159,6 +164,15 @@ def test_tp2_engines_share_through_the_cache_server(runs: dict[str, Any]) -> Non
     s = runs["s_tp2"]
     assert tokens(s) == tokens(runs["base2"], 0)
     assert hits(s, 0, "server") >= len(P) * 3 * CHUNK
+
+
+def test_tp2_partial_chunks_come_back_from_the_cache_server_by_head(runs: dict[str, Any]) -> None:
+    s = runs["s_tp2"]
+    assert tokens(s, 1) == tokens(s, 2) == tokens(runs["base2"], 2)
+    blocks = (3 * CHUNK + 2 * 32) // 32  # every full block of R's prompts: three chunks and a partial one
+    # the engine's cache and the host tier were reset: every cached token came through the server
+    assert [r["num_cached_tokens"] for r in s["rounds"][2]["requests"]] == [blocks * 32] * len(R)
+    assert hits(s, 2, "server") > 0  # (a last round's counters may not all have reached the scrape)
 
 
 def test_negative_control_without_rank_separation_changes_the_tokens(runs: dict[str, Any]) -> None:
