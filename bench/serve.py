@@ -298,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"WARNING: the ideal at {run['prefix_len']}, c={run['concurrency']} hit "
                   f"{(run['vllm_hit_fraction'] or 0) * 100:.0f}% of the prompt tokens, below the "
                   f"{most * 100:.0f}% of every repeat: give it more KV")
+    for line in serve_report.fault_lines(runs):  # e.g. staging_no_slot: a host tier too small to stage hits
+        print(line)
     for err in errors:
         print(f"FAILED: {err['case']} prefix {err['prefix_len']}: {err['error'][-300:]}")
     results = {"runs": runs, "errors": errors, "workdir": str(work), "omp_threads_bind": serve_stack.omp_bind(),

@@ -54,10 +54,12 @@ def metric_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> di
 
 
 def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
-    """The sums of the Prometheus series named in ``names``, per ``tier`` label where there is one.
+    """The sums of the Prometheus series named in ``names``, per ``tier`` (or fault ``reason``) label
+    where there is one.
 
-    ``tiercache_hit_tokens_total{tier="cpu",...} 96`` -> ``{"tiercache_hit_tokens_total/cpu": 96}``;
-    series without a tier label are summed under the bare name.
+    ``tiercache_hit_tokens_total{tier="cpu",...} 96`` -> ``{"tiercache_hit_tokens_total/cpu": 96}``,
+    ``tiercache_faults_total{reason="staging_no_slot",...} 3`` -> ``{"tiercache_faults_total/staging_no_slot": 3}``;
+    series without either label are summed under the bare name.
     """
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -68,8 +70,10 @@ def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
         if name not in names:
             continue
         key = name
-        if 'tier="' in labels:
-            key += "/" + labels.split('tier="', 1)[1].split('"', 1)[0]
+        for label in ('tier="', 'reason="'):
+            if label in labels:
+                key += "/" + labels.split(label, 1)[1].split('"', 1)[0]
+                break
         try:
             out[key] = out.get(key, 0.0) + float(value)
         except ValueError:
@@ -118,6 +122,18 @@ def add_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             met = thr >= THROUGHPUT_TARGET and ttft <= TTFT_TARGET
         out.append({**run, "throughput_ratio": thr, "ttft_p50_ratio": ttft, "meets_target": met})
     return out
+
+
+def fault_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per run whose tiercache contained faults (each a miss or a recompute): what and how many."""
+    lines = []
+    for run in runs:
+        faults = {key.split("/", 1)[1]: int(n) for key, n in (run.get("metrics") or {}).items()
+                  if key.startswith("tiercache_faults_total/") and n}
+        if faults:
+            lines.append(f"faults: {run['case']} {_cell_text(run)}: "
+                         + ", ".join(f"{reason} {n}" for reason, n in sorted(faults.items())))
+    return lines
 
 
 def _hits(run: Mapping[str, Any]) -> str:

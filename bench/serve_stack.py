@@ -70,7 +70,9 @@ def omp_bind() -> str:
 
 
 PROGRESS = re.compile(rb"(\d+)/(\d+) \[")
-METRIC_NAMES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "tiercache_hit_tokens_total")
+# (the faults by reason go into each run's JSON: a hit lost to a full host tier is staging_no_slot)
+METRIC_NAMES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "tiercache_hit_tokens_total",
+                "tiercache_faults_total")
 
 
 def prepare_model(name: str, root: Path) -> tuple[Path, dict[str, Any]]:

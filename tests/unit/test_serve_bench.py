@@ -124,12 +124,15 @@ vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 640.0
 vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1280.0
 tiercache_hit_tokens_total{engine="0",tier="cpu"} 256.0
 tiercache_hit_tokens_total{engine="0",tier="disk"} 512.0
+tiercache_faults_total{engine="0",reason="staging_no_slot"} 3.0
 vllm:num_requests_running{engine="0"} 1.0
 """
-    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "tiercache_hit_tokens_total")
+    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "tiercache_hit_tokens_total",
+             "tiercache_faults_total")
     after = serve_report.parse_metrics(text, names)
     assert after == {"vllm:prefix_cache_hits_total": 640.0, "vllm:prefix_cache_queries_total": 1280.0,
-                     "tiercache_hit_tokens_total/cpu": 256.0, "tiercache_hit_tokens_total/disk": 512.0}
+                     "tiercache_hit_tokens_total/cpu": 256.0, "tiercache_hit_tokens_total/disk": 512.0,
+                     "tiercache_faults_total/staging_no_slot": 3.0}
     before = {"vllm:prefix_cache_hits_total": 40.0, "tiercache_hit_tokens_total/cpu": 256.0}
     delta = serve_report.metric_deltas(before, after)
     assert delta["vllm:prefix_cache_hits_total"] == 600.0 and delta["tiercache_hit_tokens_total/cpu"] == 0.0
@@ -155,3 +158,12 @@ def test_every_case_binds_its_compute_threads_to_the_same_cores(monkeypatch: pyt
     assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in servers] == [expected, expected]
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")  # the user's choice wins
     assert serve_stack.omp_bind() == "0-3"
+
+
+def test_contained_faults_are_named_per_run_and_quiet_runs_say_nothing() -> None:
+    quiet = canned_runs()[0]
+    loud = dict(quiet, case="disk", metrics={"tiercache_faults_total/staging_no_slot": 3.0,
+                                             "tiercache_faults_total/load_deadline": 0.0})
+    assert serve_report.fault_lines([quiet]) == []
+    (line,) = serve_report.fault_lines([loud])
+    assert line.startswith("faults: disk ") and line.endswith(": staging_no_slot 3")
