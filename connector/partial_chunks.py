@@ -56,15 +56,19 @@ class PartialChunk:
         return self.end_block * block_size
 
 
+def _ending_at(block_hashes: Sequence[bytes], keys: KeySpace, end_block: int) -> PartialChunk:
+    """The partial chunk of blocks up to ``end_block`` (not a multiple of blocks_per_chunk)."""
+    return PartialChunk(keys.partial_key(bytes(block_hashes[end_block - 1])),
+                        (end_block - 1) // keys.blocks_per_chunk, end_block)
+
+
 def partial_to_store(block_hashes: Sequence[bytes], computed_tokens: int, keys: KeySpace,
                      block_size: int) -> PartialChunk | None:
     """The partial chunk a request that computed ``computed_tokens`` ends in; None on a chunk boundary."""
-    bpc = keys.blocks_per_chunk
     end_block = min(computed_tokens // block_size, len(block_hashes))
-    chunk = end_block // bpc
-    if end_block == chunk * bpc:
+    if end_block % keys.blocks_per_chunk == 0:
         return None  # no block past the last full chunk (or none at all)
-    return PartialChunk(keys.partial_key(bytes(block_hashes[end_block - 1])), chunk, end_block)
+    return _ending_at(block_hashes, keys, end_block)
 
 
 def partial_candidates(block_hashes: Sequence[bytes], keys: KeySpace, chunk: int) -> list[PartialChunk]:
@@ -72,8 +76,7 @@ def partial_candidates(block_hashes: Sequence[bytes], keys: KeySpace, chunk: int
     first: every hashed block of it but its last (whose chained hash is the chunk key's)."""
     bpc = keys.blocks_per_chunk
     last = min(len(block_hashes), (chunk + 1) * bpc - 1)
-    return [PartialChunk(keys.partial_key(bytes(block_hashes[end - 1])), chunk, end)
-            for end in range(last, chunk * bpc, -1)]
+    return [_ending_at(block_hashes, keys, end) for end in range(last, chunk * bpc, -1)]
 
 
 def partial_keys_from(block_hashes: Sequence[bytes], keys: KeySpace, chunk: int) -> list[bytes]:

@@ -147,7 +147,8 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         hits = self.manager.lookup(keys) or 0
         state_keys = state_keys_to_ask(keys, request.num_tokens - 1, self.chunk_tokens, self.keys.state_key) \
             if self._state_groups else []
-        partial_keys = partial_keys_from(request.block_hashes, self.keys, hits) if self._partials else []
+        partial_keys = partial_keys_from(request.block_hashes, self.keys, hits) \
+            if self._partials and self._shared is not None else []  # (only a shared tier is asked them)
         if self._shared is not None and (hits < len(keys) or state_keys or partial_keys):
             asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
                                      self.manager, [*state_keys, *partial_keys])

@@ -39,7 +39,7 @@ GROUP_IDX_BYTES = 4
 # state at its end (connector/kv_groups.py); no KV-cache group index comes near it.
 STATE_KEY_GROUP = 0x53544154  # "STAT"
 # The group-index field of a *partial* chunk's key (KeySpace.partial_key): a chunk's first blocks,
-# stored when a request ends inside it (connector/partial_chunks.py).
+# stored while a request's computed tokens end inside it (connector/partial_chunks.py).
 PARTIAL_KEY_GROUP = 0x50415254  # "PART"
 
 # Hash algorithms whose chained block hashes are equal across processes (with

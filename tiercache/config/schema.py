@@ -222,9 +222,10 @@ class TierCacheConfig(YamlBackedSettings):
     )
     partial_chunks: bool = Field(
         default=True,
-        description="When a request ends inside a chunk, also store that chunk's full blocks under a "
-        "partial-chunk key, so a conversation's next turn reuses its KV up to the last full block instead "
-        "of the last full chunk (one more store per request; not for P/D roles or state-layer models).",
+        description="Also store the full blocks a request fills past its last full chunk under a "
+        "partial-chunk key (again at each block it fills once its prompt is computed), so a conversation's "
+        "next turn reuses its KV up to the last full block instead of the last full chunk (not for P/D "
+        "roles or state-layer models).",
     )
     namespace_salt: str = Field(
         default="", description="Tenant salt mixed into every key's namespace digest."
