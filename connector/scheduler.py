@@ -369,7 +369,9 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         # Stores planned for the request pin their blocks until every worker copied them
         # (connector/store_pins.py), as a P/D hand-off in mode direct does (connector/pd/
         # scheduler_role.py): vLLM may free the request's blocks at once, nothing to delay.
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.partial_stored is not None:  # the partial chunk it ends with goes down
+            self.manager.cascade.release_held_back([st.partial_stored.key])
         if self._shared is not None:
             self._shared.forget(request.request_id)
         return self.pd.finished(request, tables)

@@ -567,6 +567,49 @@ def test_reset_abandons_pending_write_through_copies(policy: str) -> None:
     assert m.usage() == {HOST: (0, 2), "disk": (0, 4)}
 
 
+def test_held_back_chunks_go_down_only_once_released(policy: str) -> None:
+    """A live request's partial chunks (connector/partial_chunks.py) stay in the host tier until released."""
+    m = two_tiers(policy, host=4, disk=4)
+    m.cascade.hold_back(ks(0))
+    store(m, ks(0, 1))
+    (plan,) = m.cascade.prepare_demotions()
+    assert plan.keys == (key(1),) and pins(m, key(0)) == 0  # not queued, so not pinned
+    m.cascade.complete_demotion("disk", plan.keys)
+    m.cascade.release_held_back(ks(0, 1))  # key 1 was never held back: ignored
+    (plan,) = m.cascade.prepare_demotions()
+    assert plan.keys == (key(0),)
+    # released while its store is in flight: queued when the store completes
+    m.cascade.hold_back(ks(2))
+    stored = m.prepare_store(ks(2))
+    m.cascade.release_held_back(ks(2))
+    assert m.cascade.prepare_demotions() == []  # not READY yet
+    m.complete_store(list(stored.keys))  # type: ignore[union-attr]
+    (plan,) = m.cascade.prepare_demotions()
+    assert plan.keys == (key(2),)
+
+
+def test_a_held_back_chunk_discarded_never_goes_down(policy: str) -> None:
+    m = two_tiers(policy, host=4, disk=4)
+    m.cascade.hold_back(ks(0, 1))
+    store(m, ks(0))
+    stored = m.prepare_store(ks(1))
+    assert m.discard(ks(0, 1)) == 1  # key 0 READY; key 1's store still in flight
+    m.complete_store(list(stored.keys))  # type: ignore[union-attr]
+    assert state(m, key(1)) is None and m.usage()[HOST] == (0, 4)  # never READY, its slot free again
+    m.cascade.release_held_back(ks(0, 1))  # forgotten when discarded: nothing to release
+    assert m.cascade.prepare_demotions() == []
+    store(m, ks(1))  # the same key stored again later is an ordinary store
+    assert state(m, key(1)) is ChunkState.READY
+
+
+def test_write_back_leaves_held_back_chunks(policy: str) -> None:
+    m = two_tiers(policy, host=2, mode="write_back")
+    m.cascade.hold_back(ks(0))
+    store(m, ks(0, 1))
+    (plan,) = m.cascade.prepare_demotions()
+    assert plan.keys == (key(1),)
+
+
 def test_lower_tier_eviction_queues_deletes(policy: str) -> None:
     m = two_tiers(policy, host=4, disk=2)
     store(m, ks(0, 1))
@@ -621,6 +664,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.events: list[tuple[EventKind, list[bytes]]] = []
         self.recency: dict[bytes, None] = {}  # READY keys, least recently used first
         self.doomed: dict[bytes, list[int]] = {}  # discarded while pinned: key -> slots held
+        self.discarded_storing: set[bytes] = set()  # discarded while their store was in flight
 
     # ---- helpers
     def _use(self, keys: Iterable[bytes]) -> None:
@@ -689,6 +733,12 @@ class ManagerMachine(RuleBasedStateMachine):
         done, failed = keys[:cut], keys[cut:]
         self.m.complete_store(list(done), ok=ok)
         self.m.complete_store(list(failed), ok=False)
+        gone = self.discarded_storing.intersection(keys)  # never READY: their slots are free again
+        self.discarded_storing -= gone
+        for k in gone:
+            self._forget(k)
+        done = tuple(k for k in done if k not in gone)
+        failed = tuple(k for k in failed if k not in gone)
         if ok and done:
             self.events.append((EventKind.STORED, sorted(done)))
         for k in done:
@@ -766,6 +816,17 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.doomed.setdefault(k, []).append(self.slot[k])
             self._forget(k)
         self.events.append((EventKind.REMOVED, sorted(keys)))
+
+    @rule(data=st.data())
+    def discard_storing(self, data: st.DataObject) -> None:
+        """A store in flight is superseded (a partial chunk): a miss, and never READY when it completes."""
+        storing = [k for k, s in self.state.items() if s is ChunkState.STORING]
+        if not storing:
+            return
+        k = data.draw(st.sampled_from(storing))
+        assert self.m.discard([k]) == 0  # nothing READY dropped now
+        assert self.m.lookup([k]) == 0
+        self.discarded_storing.add(k)
 
     @rule(ids=st.lists(st.integers(0, NUM_KEYS - 1), max_size=4))
     def touch(self, ids: list[int]) -> None:

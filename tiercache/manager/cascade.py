@@ -37,6 +37,9 @@ class Cascade:
         self._write_through = [t for t in self.lower if t.spec.mode == "write_through"]
         # per write-through tier: host keys waiting to be copied down, pinned meanwhile
         self._demote_queue: dict[str, dict[bytes, None]] = {t.name: {} for t in self._write_through}
+        # host keys not copied down until released: a live request's partial chunks (connector/
+        # partial_chunks.py), each superseded within a few steps; only the one a request ends with goes down
+        self._held_back: set[bytes] = set()
         self.write_back_watermark = 0.9
 
     # ------------------------------------------------------------ write-through queue
@@ -46,11 +49,31 @@ class Cascade:
         Each queued host copy is pinned until copied down (or given up): the
         host tier must not evict a chunk before its write-through copy exists.
         """
+        held_back = self._held_back
         for tier in self._write_through:
             queue = self._demote_queue[tier.name]
-            fresh = [key for key in keys if key not in queue]
+            fresh = [key for key in keys if key not in queue and key not in held_back]
             queue.update(dict.fromkeys(fresh))
             self._holds.hold(self.host, fresh)
+
+    def hold_back(self, keys: Sequence[bytes]) -> None:
+        """Keep ``keys`` (host stores being planned) from every lower tier until :meth:`release_held_back`
+        or :meth:`drop_held_back`: neither write-through nor write-back copies them down meanwhile."""
+        self._held_back.update(keys)
+
+    def release_held_back(self, keys: Sequence[bytes]) -> None:
+        """Copy held-back ``keys`` down like any stored chunk from now on: queued for write-through at
+        once where the host tier holds them READY, when their store completes where it is in flight;
+        nothing where the host tier lost them meanwhile. Keys never held back are ignored."""
+        released = [key for key in keys if key in self._held_back]
+        self._held_back.difference_update(released)
+        ready = [key for key in released if key in self.host.ready]
+        if ready:
+            self.queue_stored(ready)
+
+    def drop_held_back(self, keys: Collection[bytes]) -> None:
+        """Forget that ``keys`` were held back (discarded: they will not be released)."""
+        self._held_back.difference_update(keys)
 
     def copies_queued(self) -> bool:
         """Whether some write-through copy waits for a step to be planned."""
@@ -122,7 +145,8 @@ class Cascade:
             return []
         out: list[bytes] = []
         for key in host.policy.candidates():  # coldest first
-            if key not in tier.ready and key not in tier.storing and key not in host.pins:
+            if key not in tier.ready and key not in tier.storing and key not in host.pins \
+                    and key not in self._held_back:
                 out.append(key)
                 if len(out) == max_keys:
                     break

@@ -29,7 +29,8 @@ Invariants, each tested in tests/unit/test_manager.py:
 * all in-flight loads of a key read (and pin) one tier, so a release, which only
   gets keys, always releases the pin its load took;
 * a discarded key (a failed load) is a miss at once; if something still pins
-  it, its slot is freed only when the last pin is released.
+  it, its slot is freed only when the last pin is released; a discarded host
+  store in flight never becomes READY (its slot is freed when it completes).
 
 Recency follows prefixes: the keys of one request are marked used last-first,
 so the first chunk of a prefix is the most recent and a tier evicts chain tails
@@ -79,6 +80,8 @@ class OffloadingManager:
         self.cascade = Cascade(self.tiers, self.holds, self.events, self.deletes)
         # key -> lower tier a staged load reads it from (host holds it STORING meanwhile)
         self._staged: dict[bytes, TierDirectory] = {}
+        # host stores in flight discarded meanwhile: their slots are freed when they complete
+        self._discarded_in_flight: set[bytes] = set()
         self._lookups = 0
         self._lookup_chunks = 0
         self._lookup_hits = 0
@@ -285,6 +288,8 @@ class OffloadingManager:
         """Finish a store: READY on success; on failure the key vanishes and its slot frees."""
         tier = self.host
         pop = tier.storing.pop
+        if self._discarded_in_flight:
+            keys = self._drop_discarded_in_flight(keys)
         if not ok:
             freed = [slot for slot in map(pop, keys, itertools.repeat(None)) if slot is not None]
             tier.free_slots.extend(freed)
@@ -304,6 +309,16 @@ class OffloadingManager:
             if self.lower:
                 self.cascade.queue_stored(stored)  # write-through copies, pinned until copied down
 
+    def _drop_discarded_in_flight(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Free the slots of the stores among ``keys`` discarded while in flight; the other keys."""
+        gone = self._discarded_in_flight.intersection(keys)
+        if not gone:
+            return list(keys)
+        self._discarded_in_flight -= gone
+        self.host.free_slots.extend(slot for slot in map(self.host.storing.pop, gone, itertools.repeat(None))
+                                    if slot is not None)
+        return [key for key in keys if key not in gone]
+
     def discard(self, keys: Sequence[bytes]) -> int:
         """Drop chunks that proved unusable (a failed load, a bad checksum) from every tier.
 
@@ -313,7 +328,8 @@ class OffloadingManager:
         of (tier, key) entries dropped. An owned lower tier's copy is deleted; a
         shared tier's is only forgotten (a load that failed because the tier was
         slow or stopped says nothing about the bytes other engines share; a bad
-        copy is overwritten when the recompute stores the chunk again).
+        copy is overwritten when the recompute stores the chunk again). A host
+        store still in flight never becomes READY: its slot is freed when it completes.
         """
         dropped = 0
         for tier in self.tiers:
@@ -329,6 +345,9 @@ class OffloadingManager:
             dropped += len(removed)
             self.events.add(EventKind.REMOVED, tier.name, removed)
             self.deletes.add(tier.name, removed)  # owned lower tiers only
+        host = self.host
+        self._discarded_in_flight.update(k for k in keys if k in host.storing and k not in self._staged)
+        self.cascade.drop_held_back(keys)
         return dropped
 
     # ---------------------------------------------------------------- the rest
