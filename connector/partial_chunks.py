@@ -15,15 +15,19 @@ chunk** closes that gap at block granularity:
   Why not once, when the request finishes: that store would be planned in
   ``request_finished``, sent a step later and READY a step after that, and the
   next turn, arriving meanwhile, would miss it whenever other requests keep
-  the engine's steps long. It goes into the host tier like any chunk (its slot's
-  positions past its blocks are not part of it, and never loaded), but down to
-  the lower tiers only once its request finished with it (held back until then:
-  ``Cascade.hold_back``): a long answer supersedes its partial chunk at every
-  block, and copying each one down would write up to ``blocks_per_chunk - 1``
-  slots per chunk of answer into a disk or a shared store that never deletes
-  them. A superseded partial chunk is discarded (deleted from owned lower tiers,
-  forgotten by shared ones, which keep at most one per finished turn until their
-  own eviction takes it).
+  the engine's steps long. It goes through the host tier and down to the lower
+  tiers like any chunk (its slot's positions past its blocks are not part of it,
+  and never loaded), with one exception: a partial chunk that holds generated
+  tokens goes down only once its request finished with it (held back until
+  then: ``Cascade.hold_back``). A long answer supersedes its partial chunk at
+  every block, and copying each one down would write up to
+  ``blocks_per_chunk - 1`` slots per chunk of answer into a disk or a shared
+  store that only forgets them; and no other request can want those tokens
+  before the answer is out. The prompt's own partial chunk goes down at once:
+  another engine's request with the same prompt may want it now. A superseded
+  partial chunk is discarded (deleted from owned lower tiers, forgotten by
+  shared ones, which keep at most two per request until their own eviction
+  takes them: its prompt's and the one it finished with).
 * **Lookup**: where a request's hit of full chunks stops (the next turn's
   prompt goes past the chunk the last turn ended in, or ends inside it), that
   chunk's blocks are tried as partial keys, longest first; the first present

@@ -116,7 +116,8 @@ class SchedulerStores:
             if self.config.faults.partial_chunk_short_block:
                 end -= self.block_size  # negative control: the key's last block is never stored
             extent[partial.key] = (partial.chunk, end)
-            self.manager.cascade.hold_back([partial.key])  # copied down only if the request ends with it
+            if partial.end_token(self.block_size) > st.request.num_prompt_tokens:  # it holds generated tokens:
+                self.manager.cascade.hold_back([partial.key])  # copied down only if the request ends with it
             self._count("partial_chunks_planned", 1)
 
     def _partial_hit(self, request: Request, chunk: int) -> PartialChunk | None:

@@ -151,10 +151,10 @@ def test_a_decode_step_that_fills_a_block_supersedes_the_last_partial_chunk() ->
     assert not sched.manager.lookup([old])  # superseded: dropped
 
 
-def test_only_the_partial_chunk_a_request_ends_with_is_copied_down(tmp_path: pathlib.Path) -> None:
-    """Write-through copies a request's chunks down at once, but its partial chunks, superseded at every
-    block its answer fills, only once it finished (the last one): a long answer would otherwise write up
-    to blocks_per_chunk - 1 slots per chunk of answer into the lower tier."""
+def test_of_the_answers_partial_chunks_only_the_last_is_copied_down(tmp_path: pathlib.Path) -> None:
+    """Write-through copies a request's chunks and its prompt's partial chunk down at once, but the partial
+    chunks its answer fills, superseded at every block, only once it finished (the last one): a long answer
+    would otherwise write up to blocks_per_chunk - 1 slots per chunk of answer into the lower tier."""
     sched = scheduler({"name": "ssd", "backend": "disk", "capacity": "1MiB", "mode": "write_through",
                        "options": {"root": str(tmp_path)}})
     keys = sched.keys
@@ -162,19 +162,20 @@ def test_only_the_partial_chunk_a_request_ends_with_is_copied_down(tmp_path: pat
     report(sched, store.job_id)
     a.num_computed_tokens = a.num_prompt_tokens
     (demote,) = step(sched, a=1).demotes
-    assert demote.keys == tuple(keys.chunk_keys(a.block_hashes))  # not the prompt's partial chunk
+    prompts = keys.partial_key(hashes(10)[9])
+    assert demote.keys == (*keys.chunk_keys(a.block_hashes), prompts)  # another request may want it now
     report(sched, demote.job_id)
     a.block_hashes = hashes(11)  # a decode step fills block 10: a new partial chunk supersedes the first
     a.num_computed_tokens = 11 * BLOCK - 1
     (decode,) = step(sched, a=1).stores
     report(sched, decode.job_id)
-    assert step(sched, a=1).demotes == [] and step(sched).demotes == []
+    assert step(sched, a=1).demotes == [] and step(sched).demotes == []  # held back while a runs
+    assert sched.manager.state_of(prompts, "ssd") is None  # superseded: deleted from the owned tier
     sched.request_finished(a)
     (demote,) = step(sched).demotes
     assert demote.keys == (keys.partial_key(hashes(11)[10]),)  # the one it ended with
     report(sched, demote.job_id)
     assert sched.manager.state_of(demote.keys[0], "ssd") is not None
-    assert sched.manager.state_of(keys.partial_key(hashes(10)[9]), "ssd") is None
 
 
 def test_control_without_partial_chunks_the_hit_stops_at_the_last_full_chunk() -> None:
