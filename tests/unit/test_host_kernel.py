@@ -31,6 +31,9 @@ from tiercache.transfer.device import CopyJob, CopySegment
 from tiercache.transfer.host_copier import HostThreadCopier
 
 run = host_kernel.run_kernel(force=True)  # on by default where built; TIERCACHE_HOST_KERNEL=0 turns it off
+# both functions: streaming stores (the default on x86-64) and cached stores (TIERCACHE_HOST_STREAM_STORES=0)
+EXECUTORS = {"stream": host_kernel.run_kernel(force=True, stream=True),
+             "cached": host_kernel.run_kernel(force=True, stream=False)}
 needs_kernel = pytest.mark.skipif(run is None, reason="the copy executor was not built here (no C compiler)")
 
 NUM_BLOCKS = 40
@@ -86,9 +89,12 @@ KINDS = ["scattered", "consecutive", "out-of-order", "single-page", "partial", "
 
 
 @needs_kernel
-@pytest.mark.parametrize("page", [2048, 96], ids=["2KiB-pages", "96B-pages"])
+@pytest.mark.parametrize("executor", sorted(EXECUTORS))
+@pytest.mark.parametrize("page", [2048, 192, 96], ids=["2KiB-pages", "192B-pages", "96B-pages"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_plans_leave_the_reference_bytes(kind: str, page: int) -> None:
+def test_kernel_plans_leave_the_reference_bytes(kind: str, page: int, executor: str) -> None:
+    """2 KiB and 192 B pages are streamed (whole 64-byte lines, aligned), 96 B ones copied with memcpy."""
+    run = EXECUTORS[executor]
     assert run is not None
     layout, pages = make_layout(page)
     slab = torch.randint(0, 256, (SLOTS, layout.slot_bytes(BPC)), dtype=torch.uint8,
@@ -146,6 +152,19 @@ def test_ci_built_the_executor() -> None:
     if os.environ.get("TIERCACHE_REQUIRE_NATIVE") != "1":
         pytest.skip("TIERCACHE_REQUIRE_NATIVE is not set (only CI requires the compiled executor)")
     assert host_kernel.built() and run is not None
+
+
+@pytest.mark.parametrize(("setting", "vendor", "expected"), [
+    (None, "AuthenticAMD", True), (None, "GenuineIntel", False), ("auto", "", False),
+    ("0", "AuthenticAMD", False), ("1", "GenuineIntel", True)])
+def test_streaming_stores_by_default_on_amd_only_and_either_can_be_forced(
+        monkeypatch: pytest.MonkeyPatch, setting: str | None, vendor: str, expected: bool) -> None:
+    monkeypatch.setattr(host_kernel, "_cpu_vendor", lambda: vendor)
+    if setting is None:
+        monkeypatch.delenv(host_kernel.STREAM_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(host_kernel.STREAM_SWITCH, setting)
+    assert host_kernel.streaming() is expected
 
 
 def test_the_executor_is_on_by_default_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

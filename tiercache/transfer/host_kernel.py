@@ -20,6 +20,17 @@ the call. It replaces, since 2026-12-06, a 166-byte ``rep movsb`` kernel mapped
 from bytes in this module (opt-in): the compiled one is faster on the Intel VM
 from 2 MiB jobs up, ships as C source, and is on by default.
 
+Stores: ``copy_runs`` writes through the cache (both sides prefetched);
+``copy_runs_stream`` writes with non-temporal (streaming) stores (no read of the
+destination's lines before they are written; the source two runs ahead
+prefetched). On the AMD EPYC VM (session 27, five runs of each, alternated) the
+streaming one moved 4 MiB jobs of scattered 2 KiB pages from a median 0.45 /
+0.47 of one memcpy to 0.71 / 1.04 (store / load; docs/PERFORMANCE.md); on the
+Intel Xeon VM the cached one reached 0.94 / 0.99 and the streaming one is not
+measured yet. So ``TIERCACHE_HOST_STREAM_STORES`` is ``auto`` by default:
+streaming on AMD CPUs (``/proc/cpuinfo`` says ``AuthenticAMD``), cached
+elsewhere; ``1`` / ``0`` force either.
+
 When: by default, wherever the module was built and its self-test (three runs
 copied at import, the bytes compared) passes; ``TIERCACHE_HOST_KERNEL=0`` in
 the engine's environment turns it off (the copier then keeps its numpy gathers
@@ -49,6 +60,7 @@ from tiercache.transfer.copy_plan import CopyPlan
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "TIERCACHE_HOST_KERNEL"  # "0": numpy gathers only (default: the compiled executor, where built)
+STREAM_SWITCH = "TIERCACHE_HOST_STREAM_STORES"  # auto (default: streaming on AMD) | 1 | 0
 
 _Fn = Callable[[int, int, int, int], None]
 
@@ -57,6 +69,29 @@ def enabled() -> bool:
     """Whether the process left the executor on (``TIERCACHE_HOST_KERNEL`` unset or not ``0``;
     read when a copier is built)."""
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
+
+
+def streaming() -> bool:
+    """Whether the executor writes with streaming stores: ``TIERCACHE_HOST_STREAM_STORES`` ``1`` / ``0``,
+    else (``auto``, the default) on AMD CPUs only, where they were measured faster. Off x86-64 both
+    functions are the cached ``copy_runs``."""
+    setting = os.environ.get(STREAM_SWITCH, "auto").strip().lower()
+    if setting in ("0", "1"):
+        return setting == "1"
+    return _cpu_vendor() == "AuthenticAMD"
+
+
+@cache
+def _cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo's first processor; "" where there is none (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def built() -> bool:
@@ -69,18 +104,20 @@ def built() -> bool:
 
 
 @cache
-def _kernel() -> _Fn | None:
+def _kernel(stream: bool) -> _Fn | None:
     try:
         from tiercache.transfer import _copy_runs
     except ImportError as exc:
         logger.info("tiercache copy executor not built (numpy gathers instead): %s", exc)
         return None
     proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-    fn = proto(_copy_runs.COPY_RUNS)
+    fn = proto(getattr(_copy_runs, "COPY_RUNS_STREAM", None) if stream else _copy_runs.COPY_RUNS)
     try:
-        # self-test: a run of each size class, compared with the expected bytes
+        # self-test: a run of each size class (a streamed 4 KiB, a byte, an odd size copied with memcpy),
+        # compared with the expected bytes
         src = np.arange(3 * 4096, dtype=np.uint8)
-        dst = np.zeros_like(src)
+        buf = np.zeros(3 * 4096 + 64, np.uint8)
+        dst = buf[(-buf.ctypes.data) % 64:][: 3 * 4096]  # 64-byte aligned: the 4 KiB run is streamed
         runs = np.array([[4096, 0, 4096], [0, 8192, 1], [1, 8193, 2047]], np.int64)
         dsts, srcs = runs[:, 0] + dst.ctypes.data, runs[:, 1] + src.ctypes.data  # kept alive for the call
         sizes = np.ascontiguousarray(runs[:, 2])
@@ -94,10 +131,11 @@ def _kernel() -> _Fn | None:
     return fn
 
 
-def run_kernel(force: bool = False) -> Callable[[CopyPlan], int] | None:
+def run_kernel(force: bool = False, stream: bool | None = None) -> Callable[[CopyPlan], int] | None:
     """The executor ``plan -> bytes moved`` where it was built and works here, unless the process
-    turned it off (``force``: even then, for tests and benchmarks); else None."""
-    fn = _kernel() if force or enabled() else None
+    turned it off (``force``: even then, for tests and benchmarks); else None. ``stream``: streaming
+    stores or not (None: as ``TIERCACHE_HOST_STREAM_STORES`` says)."""
+    fn = _kernel(streaming() if stream is None else stream) if force or enabled() else None
     if fn is None:
         return None
 
