@@ -111,7 +111,11 @@ def _kernel(stream: bool) -> _Fn | None:
         logger.info("tiercache copy executor not built (numpy gathers instead): %s", exc)
         return None
     proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-    fn = proto(getattr(_copy_runs, "COPY_RUNS_STREAM", None) if stream else _copy_runs.COPY_RUNS)
+    address = getattr(_copy_runs, "COPY_RUNS_STREAM", None) if stream else _copy_runs.COPY_RUNS
+    if address is None:  # a module built before copy_runs_stream existed: rebuild (pip install -e .)
+        logger.warning("tiercache copy executor has no streaming stores (an older build): cached stores instead")
+        address = _copy_runs.COPY_RUNS
+    fn = proto(address)
     try:
         # self-test: a run of each size class (a streamed 4 KiB, a byte, an odd size copied with memcpy),
         # compared with the expected bytes
