@@ -15,7 +15,12 @@ The overhead is the geometric mean of the per-prompt ratios
 passes' mean log-ratios averaged: a core that runs faster cancels out); its
 95 % interval is a percentile bootstrap that resamples the prompts within each
 pass (10,000 resamples). On the 2-vCPU VM one core ran 4-5 % faster than the
-other for the same engine, so a single pass is biased by that much. Targets (issue 22): overhead
+other for the same engine, so a single pass is biased by that much. The order
+is alternated too: which engine starts first flips from pass to pass, and which
+one is released first from prompt to prompt. That removes a confound but did
+not explain the AMD VM's A/A bias (session 27: -4.1 % with "none" always
+first, -3.1 % with both orders alternated, negative in every pass: the second
+engine slot runs faster there, on either core, for a reason not found yet). Targets (issue 22): overhead
 <= 1 %, with an interval narrower than 1 %. ``--a-a`` is the bench's own
 control: the "tiercache" engine runs without a connector too, so the two
 engines differ only by their core and the interval must hold 0. Results go to
@@ -80,15 +85,16 @@ def engine_spec(kind: str, core: int, model: Path, prompts: list[list[int]], arg
 def run_pass(index: int, cores: dict[str, int], model: Path, work: Path, args: Any) -> list[tuple[float, float]]:
     """One pass: both engines, prompts in lockstep; the (none, tiercache) TTFT pairs."""
     prompts = random_prompts(args.prompts, args.length, seed=args.seed + 1000 * index)
+    starts = KINDS if index % 2 == 0 else KINDS[::-1]  # which engine starts first alternates by pass
     runs = {kind: EngineRun(engine_spec(kind, cores[kind], model, prompts, args), work / f"pass{index}-{kind}")
-            for kind in KINDS}
+            for kind in starts}
     try:
         bar = progress(args, len(prompts), f"pass {index + 1} (none on core {cores['none']})", "prompt")
         for i in range(len(prompts)):
             for run in runs.values():
                 run.wait_for(f"p{i}", timeout_s=args.timeout)
-            for run in runs.values():
-                run.release(f"p{i}")
+            for kind in (KINDS if i % 2 == 0 else KINDS[::-1]):  # and which is released first, by prompt
+                runs[kind].release(f"p{i}")
             bar.update()
         bar.close()
         results = {kind: run.result(timeout_s=args.timeout) for kind, run in runs.items()}
