@@ -82,18 +82,22 @@ def engine_spec(kind: str, core: int, model: Path, prompts: list[list[int]], arg
     }
 
 
+def in_turn(index: int) -> tuple[str, ...]:
+    """KINDS in the order the ``index``-th pass (or prompt) starts (or releases) them: alternating."""
+    return KINDS if index % 2 == 0 else KINDS[::-1]
+
+
 def run_pass(index: int, cores: dict[str, int], model: Path, work: Path, args: Any) -> list[tuple[float, float]]:
     """One pass: both engines, prompts in lockstep; the (none, tiercache) TTFT pairs."""
     prompts = random_prompts(args.prompts, args.length, seed=args.seed + 1000 * index)
-    starts = KINDS if index % 2 == 0 else KINDS[::-1]  # which engine starts first alternates by pass
     runs = {kind: EngineRun(engine_spec(kind, cores[kind], model, prompts, args), work / f"pass{index}-{kind}")
-            for kind in starts}
+            for kind in in_turn(index)}  # which engine starts first alternates by pass
     try:
         bar = progress(args, len(prompts), f"pass {index + 1} (none on core {cores['none']})", "prompt")
         for i in range(len(prompts)):
             for run in runs.values():
                 run.wait_for(f"p{i}", timeout_s=args.timeout)
-            for kind in (KINDS if i % 2 == 0 else KINDS[::-1]):  # and which is released first, by prompt
+            for kind in in_turn(i):  # and which one is released first, by prompt
                 runs[kind].release(f"p{i}")
             bar.update()
         bar.close()

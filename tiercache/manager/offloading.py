@@ -291,9 +291,7 @@ class OffloadingManager:
         if self._discarded_in_flight:
             keys = self._drop_discarded_in_flight(keys)
         if not ok:
-            freed = [slot for slot in map(pop, keys, itertools.repeat(None)) if slot is not None]
-            tier.free_slots.extend(freed)
-            tier.stats.store_failures += len(freed)
+            tier.stats.store_failures += self._free_storing(keys)
             return
         ready = tier.ready
         stored: list[bytes] = []
@@ -309,14 +307,19 @@ class OffloadingManager:
             if self.lower:
                 self.cascade.queue_stored(stored)  # write-through copies, pinned until copied down
 
+    def _free_storing(self, keys: Collection[bytes]) -> int:
+        """End the host stores of ``keys`` without a READY copy: their slots are free again; how many."""
+        freed = [slot for slot in map(self.host.storing.pop, keys, itertools.repeat(None)) if slot is not None]
+        self.host.free_slots.extend(freed)
+        return len(freed)
+
     def _drop_discarded_in_flight(self, keys: Sequence[bytes]) -> list[bytes]:
         """Free the slots of the stores among ``keys`` discarded while in flight; the other keys."""
         gone = self._discarded_in_flight.intersection(keys)
         if not gone:
             return list(keys)
         self._discarded_in_flight -= gone
-        self.host.free_slots.extend(slot for slot in map(self.host.storing.pop, gone, itertools.repeat(None))
-                                    if slot is not None)
+        self._free_storing(gone)
         return [key for key in keys if key not in gone]
 
     def discard(self, keys: Sequence[bytes]) -> int:
