@@ -14,6 +14,16 @@ Not held: a hit that stops inside vLLM's own prefix cache (``own_chunks``: vLLM
 serves those chunks itself, a busy copy of them changes nothing), and a hit
 that covers every chunk.
 
+A lookup is also held while the host tier has no room to stage the hit's
+chunks that live only in a lower tier (``hold_for_staging_room``): every slot
+is being written by this step's other loads and stores, or pinned until a
+write-through copy is made. Planned anyway, the load would stage what fits and
+vLLM would recompute the rest (``staging_no_slot``); a step later those slots
+are READY and evictable. Seen at concurrency 8 with a 32-slot host tier in
+front of disk: eight conversations' next turns, five chunks each, arrive in
+one step. Same budget (``deadlines.lookup_s`` per request, shared with the
+busy-chunk hold), and never for a hit larger than the whole host tier.
+
 Threading: vLLM's scheduler thread only (the manager and the request's state
 belong to it).
 """
@@ -23,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from tiercache.connector.partial_chunks import PartialChunk
 from tiercache.connector.scheduler_state import RequestState
 
 from tiercache.manager.offloading import OffloadingManager
@@ -36,6 +47,28 @@ def hold_for_busy_chunk(manager: OffloadingManager, st: RequestState, keys: Sequ
     counted from its first hold (``st.held_since``)."""
     if not own_chunks <= hits < len(keys) or not manager.busy_in_host(keys[hits]):
         return False
+    return _within_budget(st, limit_s, now)
+
+
+def hold_for_staging_room(manager: OffloadingManager, st: RequestState, chunk_keys: Sequence[bytes],
+                          partial: PartialChunk | None, limit_s: float, now: float | None = None) -> bool:
+    """True: ask vLLM to come back next step, the host tier cannot stage now the chunks a load would read
+    (``chunk_keys``: the hit past vLLM's own cache, then ``partial``) that only a lower tier holds. A direct
+    tier's chunks (a P/D producer's) need no staging slot."""
+    keys = [*chunk_keys, partial.key] if partial is not None else chunk_keys
+    host = manager.host
+    staged = 0
+    for key in keys:
+        if key not in host.ready:
+            source = next((t for t in manager.lower if key in t.ready), None)
+            staged += source is not None and not source.spec.direct
+    if staged == 0 or staged > host.spec.num_slots or host.has_room(staged, set(keys)):
+        return False
+    return _within_budget(st, limit_s, now)
+
+
+def _within_budget(st: RequestState, limit_s: float, now: float | None) -> bool:
+    """Whether ``st``'s request may be held once more: ``limit_s`` in all, from its first hold."""
     now = time.monotonic() if now is None else now
     if st.held_since is None:
         st.held_since = now

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.kv_groups import load_segments, null_block_id, state_group_indices
-from tiercache.connector.lookup_hold import hold_for_busy_chunk
+from tiercache.connector.lookup_hold import hold_for_busy_chunk, hold_for_staging_room
 from tiercache.connector.lower_tiers import ask_shared_tiers, lower_tier_specs, make_backends, recover_lower_tiers
 from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.connector.partial_chunks import partial_keys_from
@@ -86,9 +86,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         self._shared: SharedLookup | None = \
             SharedLookup(shared, timeout_s=config.deadlines.lookup_s,
                          first_wait_s=config.deadlines.lookup_wait_s) if shared else None
-        self.metrics.label(self.metrics.capacity_bytes, host.name).set(
-            geometry.host_slots * geometry.slot_bytes
-        )
+        self.metrics.label(self.metrics.capacity_bytes, host.name).set(geometry.host_slots * geometry.slot_bytes)
         self._world_size = geometry.engine.world_size
         # a hybrid model's failed loads go to vLLM per request (failed_recving), which vLLM 0.32
         # takes for async loads only (connector/kv_groups.py): hybrid models load async
@@ -136,9 +134,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         self._counters[name] = self._counters.get(name, 0) + value
 
     # ------------------------------------------------------------- lookups
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._state(request).lookup_tokens = request.num_tokens - num_computed_tokens  # counted once allocated
         keys = self.keys.chunk_keys(request.block_hashes)
         if not keys and not (self._partials and request.block_hashes):
@@ -174,6 +170,10 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         partial = self._partial_hit(request, hits) if self._partials else None
         if partial is not None:  # the blocks after the hit's last full chunk, from a request that ended there
             covered = partial.end_token(self.block_size)
+        if hold_for_staging_room(self.manager, self._state(request), keys[num_computed_tokens // self.chunk_tokens : hits],
+                                 partial, self.config.deadlines.lookup_s):
+            self._count("lookups_held_for_staging", 1)
+            return None, False  # this step's loads and stores fill the host tier: a step later
         # vLLM must compute at least the last prompt token itself. When every chunk of the
         # prompt hits (its length is a multiple of the chunk, or a hand-off brought its tail),
         # the last chunk loads whole and vLLM computes that one token, as after NixlConnector's

@@ -5,7 +5,10 @@ tier, or an earlier load's late report after a stall, makes the chunk busy for a
 step or two; the lookup asks vLLM to come back instead of recomputing it and
 everything after it. Checked on the rule itself (a shared tier's chunk, with its
 bounds) and on the real scheduler half over a real disk tier (two requests with
-the same prefix in async load mode, no engine).
+the same prefix in async load mode, no engine). Then the hold for staging room:
+a hit whose lower-tier chunks the host tier cannot stage now (its slots being
+written by this step's other loads) waits a step instead of staging part of it
+and recomputing the rest.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import pathlib
 import time
 
-from tiercache.connector.lookup_hold import hold_for_busy_chunk
+from tiercache.connector.lookup_hold import hold_for_busy_chunk, hold_for_staging_room
 from tiercache.connector.metadata import JobReport, TierCacheWorkerMetadata
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.scheduler_state import RequestState
@@ -122,3 +125,54 @@ def test_a_shared_answer_later_than_the_first_wait_defers_the_request_and_is_cou
                 again = sched.get_num_new_matched_tokens(wanted, 0)
             assert again == (3 * BLOCK, False)
         sched._shared.close()
+
+
+def test_a_hit_the_host_tier_has_no_room_to_stage_is_held_within_its_budget() -> None:
+    manager = OffloadingManager([TierSpec("host", 4), TierSpec("ssd", 16)])
+    mine, others = [k(i) for i in range(3)], [k(10 + i) for i in range(3)]
+    manager.cascade.adopt("ssd", mine + others)
+    manager.prepare_load(others)  # another request's load stages three chunks: one slot left
+    st = fresh()
+    assert hold_for_staging_room(manager, st, mine, None, limit_s=1.0, now=10.0)
+    assert hold_for_staging_room(manager, st, mine, None, limit_s=1.0, now=10.5)
+    assert not hold_for_staging_room(manager, st, mine, None, limit_s=1.0, now=11.0)  # budget spent
+    assert not hold_for_staging_room(manager, fresh(), mine[:1], None, limit_s=1.0)  # one chunk fits
+    manager.complete_load(others)  # READY in the host tier now: evictable
+    assert not hold_for_staging_room(manager, fresh(), mine, None, limit_s=1.0)
+    # never for a hit the whole host tier could not stage
+    manager.cascade.adopt("ssd", [k(20 + i) for i in range(5)])
+    manager.prepare_load(mine)
+    assert not hold_for_staging_room(manager, fresh(), [k(20 + i) for i in range(5)], None, limit_s=1.0)
+
+
+def test_chunks_waiting_for_their_write_through_copy_give_no_room() -> None:
+    manager = OffloadingManager([TierSpec("host", 4), TierSpec("ssd", 16)])
+    manager.cascade.adopt("ssd", [k(0), k(1)])
+    plan = manager.prepare_store([k(5), k(6), k(7)])
+    manager.complete_store(list(plan.keys))  # READY, pinned until copied down to ssd (write-through)
+    assert hold_for_staging_room(manager, fresh(), [k(0), k(1)], None, limit_s=1.0)  # one free slot for two
+    (demote,) = manager.cascade.prepare_demotions()
+    manager.cascade.complete_demotion("ssd", demote.keys)  # copied down: unpinned, evictable
+    assert not hold_for_staging_room(manager, fresh(), [k(0), k(1)], None, limit_s=1.0)
+    assert not hold_for_staging_room(manager, fresh(), [k(5), k(6), k(7)], None, limit_s=1.0)  # in the host tier
+
+
+def test_the_scheduler_holds_a_request_until_this_steps_staging_lands(tmp_path: pathlib.Path) -> None:
+    """Two requests with different 3-chunk prefixes on disk, sync loads, a host tier of 4 chunks: the first
+    stages its three in this step, so the second would stage one chunk and recompute two
+    (``staging_no_slot``); it waits a step instead and then hits all three."""
+    sched = disk_scheduler(tmp_path, host_slots=4)
+    first, second = request("a", 3, salt=7), request("b", 3, salt=8)
+    for r in (first, second):
+        sched.manager.cascade.learn("ssd", sched.keys.chunk_keys(r.block_hashes))
+    assert sched.get_num_new_matched_tokens(first, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(first, blocks(), 3 * BLOCK)
+    assert sched.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert sched.take_counters().get("lookups_held_for_staging") == 1
+    (job_id,) = step(sched)
+    sched.update_connector_output(TierCacheWorkerMetadata(
+        done={job_id: JobReport(reports=1, failed_keys=set(), bytes=0, secs=0.0)}))
+    assert sched.get_num_new_matched_tokens(second, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(second, blocks(), 3 * BLOCK)
+    (load,) = sched.build_connector_meta(step_output()).loads
+    assert len(load.chunks) == 3  # all of it staged: nothing recomputed

@@ -178,6 +178,46 @@ def test_of_the_answers_partial_chunks_only_the_last_is_copied_down(tmp_path: pa
     assert sched.manager.state_of(demote.keys[0], "ssd") is not None
 
 
+def test_a_store_the_full_host_tier_refused_is_offered_again_next_step() -> None:
+    """Every host slot being written (here: other stores; in serving, loads staging chunks from a lower
+    tier in the same step) refuses a request's chunks and its partial chunk; the next step, once those
+    slots are READY and evictable, stores them from the blocks the running request still holds. Before,
+    they were dropped for good: a conversation's next turn missed its tail (seen at concurrency 8 with a
+    small host tier in front of disk: every turn-2 partial chunk refused)."""
+    sched = scheduler()
+    keys = sched.keys
+    others = [bytes([9, i]) * 16 for i in range(16)]
+    busy = sched.manager.prepare_store(others)
+    assert len(busy.keys) == 16  # every slot STORING
+    a = request("a", 10, computed=0)
+    sched.get_num_new_matched_tokens(a, 0)
+    assert step(sched, a=a.num_prompt_tokens).stores == []
+    assert sched.take_counters()["store_chunks_refused"] == 3  # two chunks and the partial chunk
+    sched.manager.complete_store(list(busy.keys))  # READY now: evictable
+    a.num_computed_tokens = a.num_prompt_tokens
+    (store,) = step(sched, a=1).stores  # a decodes inside block 10: nothing new, the refused ones again
+    assert store.keys == (*keys.chunk_keys(a.block_hashes), keys.partial_key(hashes(10)[9]))
+    assert [(s.first_block, s.block_ids) for s in store.segments][-1] == (0, (108, 109))
+    report(sched, store.job_id)
+    assert step(sched, a=1).stores == []  # stored: not offered a third time
+
+
+def test_a_refused_partial_chunk_of_the_answer_is_not_left_held_back() -> None:
+    sched = scheduler()
+    a, store = first_turn(sched)
+    report(sched, store.job_id)
+    busy = sched.manager.prepare_store([bytes([9, i]) * 16 for i in range(16)])
+    assert busy is not None
+    a.block_hashes = hashes(11)  # a decode step fills block 10: its partial chunk holds a generated token
+    a.num_computed_tokens = 11 * BLOCK - 1
+    assert step(sched, a=1).stores == []  # refused
+    assert not sched.manager.cascade._held_back  # not left behind for a request_finished that never sees it
+    sched.manager.complete_store(list(busy.keys))
+    (store,) = step(sched, a=1).stores
+    assert store.keys == (sched.keys.partial_key(hashes(11)[10]),)
+    assert sched.manager.cascade._held_back == {store.keys[0]}  # held back again: copied down only at the end
+
+
 def test_control_without_partial_chunks_the_hit_stops_at_the_last_full_chunk() -> None:
     sched = scheduler(partial_chunks=False)
     a, store = first_turn(sched)

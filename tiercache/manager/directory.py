@@ -108,6 +108,20 @@ class TierDirectory:
         del free[-count:]
         return slots
 
+    def has_room(self, count: int, protected: AbstractSet[bytes] = frozenset()) -> bool:
+        """Whether ``count`` slots could be had now (free, or READY unpinned keys outside ``protected``
+        to evict), without evicting anything."""
+        short = count - len(self.free_slots)
+        if short <= 0:
+            return True
+        pins = self.pins
+        for key in self.policy.candidates():
+            if key not in pins and key not in protected:
+                short -= 1
+                if short == 0:
+                    return True
+        return False
+
     def evict(self, count: int, protected: AbstractSet[bytes] = frozenset()) -> list[bytes]:
         """Evict up to ``count`` READY, unpinned keys not in ``protected``, in policy order."""
         # No pins and nothing protected: the first ``count`` candidates, in bulk.

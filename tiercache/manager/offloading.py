@@ -367,7 +367,8 @@ class OffloadingManager:
         return {t.name: (t.used_slots, t.spec.num_slots) for t in self.tiers}
 
     def state_of(self, key: bytes, tier: str | None = None) -> tuple[ChunkState, int, int] | None:
-        """(state, slot, pins) of a key in a tier (the host tier by default), for tests/inspect."""
+        """(state, slot, pins) of a key in a tier (the host tier by default); None where it holds no copy
+        (tests, inspect, and the scheduler's retry of stores the host tier refused)."""
         directory = self._by_name[tier or self.host.name]
         slot = directory.ready.get(key)
         if slot is not None:
