@@ -171,7 +171,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         if partial is not None:  # the blocks after the hit's last full chunk, from a request that ended there
             covered = partial.end_token(self.block_size)
         if hold_for_staging_room(self.manager, self._state(request), keys[num_computed_tokens // self.chunk_tokens : hits],
-                                 partial, self.config.deadlines.lookup_s):
+                                 partial if covered > num_computed_tokens else None, self.config.deadlines.lookup_s):
             self._count("lookups_held_for_staging", 1)
             return None, False  # this step's loads and stores fill the host tier: a step later
         # vLLM must compute at least the last prompt token itself. When every chunk of the

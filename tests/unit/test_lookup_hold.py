@@ -176,3 +176,16 @@ def test_the_scheduler_holds_a_request_until_this_steps_staging_lands(tmp_path: 
     sched.update_state_after_alloc(second, blocks(), 3 * BLOCK)
     (load,) = sched.build_connector_meta(step_output()).loads
     assert len(load.chunks) == 3  # all of it staged: nothing recomputed
+
+
+def test_a_hit_inside_vllms_own_cache_is_not_held_for_staging_room(tmp_path: pathlib.Path) -> None:
+    """vLLM's own prefix cache holds all three chunks: nothing would be loaded, so a host tier without room
+    to stage them changes nothing and the answer is an immediate zero."""
+    sched = disk_scheduler(tmp_path, host_slots=4)
+    first, second = request("a", 3, salt=7), request("b", 3, salt=8)
+    for r in (first, second):
+        sched.manager.cascade.learn("ssd", sched.keys.chunk_keys(r.block_hashes))
+    sched.get_num_new_matched_tokens(first, 0)
+    sched.update_state_after_alloc(first, blocks(), 3 * BLOCK)  # three of the four slots staging
+    assert sched.get_num_new_matched_tokens(second, 3 * BLOCK) == (0, False)
+    assert "lookups_held_for_staging" not in sched.take_counters()
