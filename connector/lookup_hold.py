@@ -57,11 +57,10 @@ def hold_for_staging_room(manager: OffloadingManager, st: RequestState, chunk_ke
     tier's chunks (a P/D producer's) need no staging slot."""
     keys = [*chunk_keys, partial.key] if partial is not None else chunk_keys
     host = manager.host
-    staged = 0
-    for key in keys:
-        if key not in host.ready:
-            source = next((t for t in manager.lower if key in t.ready), None)
-            staged += source is not None and not source.spec.direct
+    # the tier each load reads, as prepare_load chooses it; a key READY nowhere (a state-layer model's last
+    # chunk, which loads under its state key) is not counted
+    staged = sum(1 for key in keys if key not in host.ready and any(key in t.ready for t in manager.lower)
+                 and not manager.load_source(key).spec.direct)
     if staged == 0 or staged > host.spec.num_slots or host.has_room(staged, set(keys)):
         return False
     return _within_budget(st, limit_s, now)

@@ -170,7 +170,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         partial = self._partial_hit(request, hits) if self._partials else None
         if partial is not None:  # the blocks after the hit's last full chunk, from a request that ended there
             covered = partial.end_token(self.block_size)
-        if hold_for_staging_room(self.manager, self._state(request), keys[num_computed_tokens // self.chunk_tokens : hits],
+        if hold_for_staging_room(self.manager, self._state(request), keys[local_chunks:hits],
                                  partial if covered > num_computed_tokens else None, self.config.deadlines.lookup_s):
             self._count("lookups_held_for_staging", 1)
             return None, False  # this step's loads and stores fill the host tier: a step later

@@ -99,17 +99,17 @@ class SchedulerStores:
             self._count("incomplete_chunks_skipped", len(extent) - len(floors))
         chunks = {key: (extent[key][0], -(-extent[key][1] // self.block_size), tables, f) for key, f in floors.items()}
         job = self._store_job(req_id, chunks)
-        self._offer_refused_again(st, [key for key in chunks if tail is None or key != tail.key], job)
+        self._offer_refused_again(st, {key: c[0] for key, c in chunks.items() if tail is None or key != tail.key}, job)
         return job
 
-    def _offer_refused_again(self, st: RequestState, offered: list[bytes], job: StoreJob | None) -> None:
-        """Offer again next step the chunks of ``offered`` the host tier had no slot for this step (every
-        slot being written: other stores, or loads staging chunks from a lower tier in this very step).
-        The request's blocks stay allocated while it runs, so a later step stores what this one could
-        not; dropped, they would be misses for the next turn of a conversation. Not for a P/D prompt
+    def _offer_refused_again(self, st: RequestState, offered: dict[bytes, int], job: StoreJob | None) -> None:
+        """Offer again next step the chunks of ``offered`` (key -> chunk index) the host tier had no slot for
+        this step (every slot being written: other stores, or loads staging chunks from a lower tier in this
+        very step). The request's blocks stay allocated while it runs, so a later step stores what this one
+        could not; dropped, they would be misses for the next turn of a conversation. Not for a P/D prompt
         tail (its request ends this step)."""
         taken = set(job.keys) if job is not None else set()
-        refused = {key for key in offered if key not in taken and self.manager.state_of(key) is None}
+        refused = [key for key in offered if key not in taken and self.manager.state_of(key) is None]
         if not refused:
             return
         self._count("store_chunks_refused", len(refused))
@@ -117,10 +117,9 @@ class SchedulerStores:
         if partial is not None and partial.key in refused:
             st.partial_stored = None  # planned again by _add_partial next step (same blocks, same key)
             self.manager.cascade.drop_held_back([partial.key])
-        chunk_keys = self.keys.chunk_keys(st.request.block_hashes)
-        first = next((i for i, key in enumerate(chunk_keys) if key in refused), None)
-        if first is not None:
-            st.next_store_chunk = min(st.next_store_chunk, first)
+            refused.remove(partial.key)
+        if refused:  # full chunks: from the first refused one on
+            st.next_store_chunk = min(st.next_store_chunk, *(offered[key] for key in refused))
 
     def _add_partial(self, st: RequestState, computed: int, extent: dict[bytes, tuple[int, int]]) -> None:
         """Add the request's partial chunk (connector/partial_chunks.py) to a store's ``extent`` (key -> chunk,

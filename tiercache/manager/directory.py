@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
@@ -108,33 +108,24 @@ class TierDirectory:
         del free[-count:]
         return slots
 
+    def _evictable(self, protected: AbstractSet[bytes]) -> Iterator[bytes]:
+        """READY unpinned keys outside ``protected``, in policy order (consume before evicting)."""
+        pins = self.pins
+        return (key for key in self.policy.candidates() if key not in pins and key not in protected)
+
     def has_room(self, count: int, protected: AbstractSet[bytes] = frozenset()) -> bool:
         """Whether ``count`` slots could be had now (free, or READY unpinned keys outside ``protected``
         to evict), without evicting anything."""
         short = count - len(self.free_slots)
-        if short <= 0:
-            return True
-        pins = self.pins
-        for key in self.policy.candidates():
-            if key not in pins and key not in protected:
-                short -= 1
-                if short == 0:
-                    return True
-        return False
+        return short <= 0 or sum(1 for _ in itertools.islice(self._evictable(protected), short)) == short
 
     def evict(self, count: int, protected: AbstractSet[bytes] = frozenset()) -> list[bytes]:
         """Evict up to ``count`` READY, unpinned keys not in ``protected``, in policy order."""
         # No pins and nothing protected: the first ``count`` candidates, in bulk.
-        pins = self.pins
-        if not pins and not protected:
+        if not self.pins and not protected:
             victims = list(itertools.islice(self.policy.candidates(), count))
         else:
-            victims = []
-            for key in self.policy.candidates():
-                if key not in pins and key not in protected:
-                    victims.append(key)
-                    if len(victims) == count:
-                        break
+            victims = list(itertools.islice(self._evictable(protected), count))
         if victims:
             self.policy.evicted_many(victims)
             self.free_slots.extend(map(self.ready.pop, victims))

@@ -121,7 +121,7 @@ class OffloadingManager:
         return key in self.host.storing
 
     # -------------------------------------------------------------------- load
-    def _load_source(self, key: bytes) -> TierDirectory:
+    def load_source(self, key: bytes) -> TierDirectory:
         """The tier a load of ``key`` reads: the one already pinned, else the first READY.
 
         Reading every concurrent load of a key from one tier keeps a release by
@@ -145,7 +145,7 @@ class OffloadingManager:
         if len(self.tiers) == 1:
             return self._prepare_load_host(keys)
         host = self.host
-        sources = [host if key in host.ready else self._load_source(key) for key in keys]
+        sources = [host if key in host.ready else self.load_source(key) for key in keys]
         if any(t is not host and key in host.storing for key, t in zip(keys, sources)):
             raise KeyError("prepare_load: a chunk is already being staged into the host tier")
         # Staging slots in the host tier for the chunks that live only below it
