@@ -4,9 +4,10 @@ Runs in vLLM's scheduler process, on its one thread. Per request it keeps how
 far its chunks have been offered for storing; per step it collects the load
 jobs planned in ``update_state_after_alloc`` and plans the stores for chunks
 that the step's forward pass completes (prompt and, by default, generated
-tokens). Worker reports come back through ``update_connector_output`` and
-close the jobs in the manager (unpin loaded chunks, mark stored chunks ready
-or drop failed ones) and release a store's engine blocks (store_pins.py).
+tokens). Worker reports come back through ``update_connector_output``
+(scheduler_reports.py) and close the jobs in the manager (unpin loaded chunks,
+mark stored chunks ready or drop failed ones) and release a store's engine
+blocks (store_pins.py).
 
 A load is planned into one :class:`~tiercache.jobs.LoadJob` whose chunks each
 name their source (host slot, lower tier staged through a host slot, or a P/D
@@ -26,11 +27,12 @@ from tiercache.connector.engine_info import ChunkGeometry
 from tiercache.connector.kv_groups import load_segments, null_block_id, state_group_indices
 from tiercache.connector.lookup_hold import hold_for_busy_chunk, hold_for_staging_room
 from tiercache.connector.lower_tiers import ask_shared_tiers, lower_tier_specs, make_backends, recover_lower_tiers
-from tiercache.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.connector.metadata import TierCacheConnectorMetadata
 from tiercache.connector.partial_chunks import partial_keys_from
 from tiercache.connector.pd.roles import GroupBlockIds, SchedulerPD, pd_settings
 from tiercache.connector.pd.scheduler_role import PDScheduler, peer_tier_specs
 from tiercache.connector.scheduler_faults import SchedulerFaults
+from tiercache.connector.scheduler_reports import SchedulerReports
 from tiercache.connector.scheduler_stores import SchedulerStores
 from tiercache.connector.scheduler_state import JobRecord, RequestState
 from tiercache.connector.state_chunks import state_hit_chunks, state_keys_to_ask
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TierCacheScheduler(SchedulerStores, SchedulerFaults):
+class TierCacheScheduler(SchedulerStores, SchedulerReports, SchedulerFaults):
     def __init__(
         self,
         config: TierCacheConfig,
@@ -108,6 +110,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         self._null_block = 0  # vLLM's null block id (a window group's freed positions), set at bind
         self.store_pins = StorePins()  # a store's engine blocks, until every worker copied them
         self._counters: dict[str, float] = {}
+        self._refused_reported: dict[str, int] = {}  # see SchedulerReports._sync_tier_metrics
 
     # ------------------------------------------------------------ plumbing
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -133,6 +136,12 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
     def _count(self, name: str, value: float) -> None:
         self._counters[name] = self._counters.get(name, 0) + value
 
+    def _wait_a_step(self, reason: str, counter: str) -> tuple[None, bool]:
+        """The lookup's answer "ask again next step", counted (``reason``: tiercache_lookup_waits)."""
+        self._count(counter, 1)
+        self.metrics.label(self.metrics.lookup_waits, reason).inc()
+        return None, False
+
     # ------------------------------------------------------------- lookups
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._state(request).lookup_tokens = request.num_tokens - num_computed_tokens  # counted once allocated
@@ -148,14 +157,12 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         if self._shared is not None and (hits < len(keys) or state_keys or partial_keys):
             asked = ask_shared_tiers(self._shared, self._state(request), request.request_id, keys, hits,
                                      self.manager, [*state_keys, *partial_keys])
-            if asked is None:
-                self._count("lookups_deferred", 1)  # a shared tier still thinking: a step later
-                return None, False  # vLLM asks again on a later step (waited at most lookup_wait_s)
+            if asked is None:  # a shared tier still thinking: vLLM asks again on a later step
+                return self._wait_a_step("shared_tier_pending", "lookups_deferred")  # (at most lookup_wait_s)
             hits = asked
         if hold_for_busy_chunk(self.manager, self._state(request), keys, hits,
                                num_computed_tokens // self.chunk_tokens, self.config.deadlines.lookup_s):
-            self._count("lookups_held", 1)
-            return None, False  # the chunk after the hit is being written into the host tier
+            return self._wait_a_step("chunk_being_written", "lookups_held")  # into the host tier, after the hit
         if self._state_groups:  # a hit ends where a chunk's end state is stored
             hits = state_hit_chunks(keys, hits, request.num_tokens - 1, self.chunk_tokens, self.keys.state_key,
                                     lambda key: bool(self.manager.lookup([key])))
@@ -172,8 +179,7 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
             covered = partial.end_token(self.block_size)
         if hold_for_staging_room(self.manager, self._state(request), keys[local_chunks:hits],
                                  partial if covered > num_computed_tokens else None, self.config.deadlines.lookup_s):
-            self._count("lookups_held_for_staging", 1)
-            return None, False  # this step's loads and stores fill the host tier: a step later
+            return self._wait_a_step("no_staging_room", "lookups_held_for_staging")  # this step's loads and stores
         # vLLM must compute at least the last prompt token itself. When every chunk of the
         # prompt hits (its length is a multiple of the chunk, or a hand-off brought its tail),
         # the last chunk loads whole and vLLM computes that one token, as after NixlConnector's
@@ -312,56 +318,6 @@ class TierCacheScheduler(SchedulerStores, SchedulerFaults):
         self._sync_tier_metrics()
         self.store_pins.sent()
         return meta
-
-    def update_connector_output(self, worker_meta: TierCacheWorkerMetadata | None) -> None:
-        if worker_meta is None:
-            return
-        self.metrics.count_faults(worker_meta.faults)
-        if worker_meta.host_pinned_bytes is not None:  # each worker's, once
-            self.metrics.label(self.metrics.host_pinned_bytes).inc(worker_meta.host_pinned_bytes)
-        self.pd.report(worker_meta.pd)
-        for job_id, report in worker_meta.done.items():
-            rec = self._jobs.get(job_id)
-            if rec is None:
-                continue
-            rec.reports_left -= report.reports
-            rec.failed |= report.failed_keys
-            path = {"load": "host_to_device", "store": "device_to_host"}.get(rec.direction, f"host_to_{rec.owner}")
-            self.metrics.observe_transfer(path, report.bytes, report.secs)
-            self._count(f"{rec.direction}_bytes", report.bytes)
-            self._count(f"{rec.direction}_secs", report.secs)
-            if rec.reports_left > 0:
-                continue
-            del self._jobs[job_id]
-            self.store_pins.release(job_id)  # a store's copies are done on every rank
-            self._finish_job(rec)
-
-    def _finish_job(self, rec: JobRecord) -> None:
-        if rec.failed:
-            self.metrics.label(self.metrics.failures, rec.direction).inc(len(rec.failed))
-            self._count(f"failed_{rec.direction}_chunks", len(rec.failed))
-        if rec.direction == "load":
-            self.manager.complete_load(rec.keys, failed=rec.failed)
-            self.pd.load_finished(rec.keys, rec.failed)
-            if rec.failed:
-                # A chunk that failed to load is dropped, so the recompute that vLLM now
-                # schedules does not look it up and fail on it again (a livelock).
-                self.manager.discard(list(rec.failed))
-                st = self._reqs.get(rec.owner)
-                if st is not None:  # stored again once vLLM recomputed them (else: misses for good)
-                    st.reoffer(self.keys.chunk_keys(st.request.block_hashes), rec.failed)
-            return
-        if rec.direction == "demote":
-            self.manager.cascade.complete_demotion(rec.owner, rec.keys, failed=rec.failed)
-            return
-        ok = [k for k in rec.keys if k not in rec.failed]
-        self.manager.complete_store(ok, ok=True)
-        if rec.failed:
-            self.manager.complete_store(list(rec.failed), ok=False)
-
-    def _sync_tier_metrics(self) -> None:
-        for name, (used, _total) in self.manager.usage().items():
-            self.metrics.label(self.metrics.used_bytes, name).set(used * self.geometry.slot_bytes)
 
     # ------------------------------------------------------------ the rest
     def request_finished(self, request: Request, tables: GroupBlockIds | None = None) -> tuple[bool, dict[str, Any] | None]:

@@ -52,6 +52,16 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
               "consumer's NIXL READs alone, descriptors to tags checked, from a producer's host slots / KV "
               "blocks; peer_data_read: their data READs alone).", ("path",)),
     MetricDef("evictions", "tiercache_evicted_chunks", "counter", "Chunks evicted, by tier.", ("tier",)),
+    MetricDef("store_refused", "tiercache_store_refused_chunks", "counter",
+              "Chunks a tier refused to store, by tier: every slot was being written or pinned (the host tier "
+              "under many concurrent loads and stores, or a lower tier behind on demotions). The host tier's "
+              "refusals are offered again next step while their request runs, each time counted.", ("tier",)),
+    MetricDef("lookup_waits", "tiercache_lookup_waits", "counter",
+              "Lookups answered 'ask again next step' (vLLM schedules the request a step later, each request "
+              "for at most deadlines.lookup_s), by reason: shared_tier_pending (a shared tier's answer not "
+              "back yet), chunk_being_written (the chunk after the hit is being written into the host tier), "
+              "no_staging_room (the host tier cannot stage the hit's lower-tier chunks this step).",
+              ("reason",)),
     MetricDef("failures", "tiercache_failed_chunks", "counter",
               "Chunks whose load or store failed (loads are recomputed).", ("op",)),
     MetricDef("used_bytes", "tiercache_tier_used_bytes", "gauge", "Bytes held by a tier.", ("tier",)),

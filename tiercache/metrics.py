@@ -87,6 +87,8 @@ class TierCacheMetrics:
     transfer_bytes = _D["transfer_bytes"]
     transfer_seconds = _D["transfer_seconds"]
     evictions = _D["evictions"]
+    store_refused = _D["store_refused"]
+    lookup_waits = _D["lookup_waits"]
     failures = _D["failures"]
     used_bytes = _D["used_bytes"]
     capacity_bytes = _D["capacity_bytes"]

@@ -11,6 +11,13 @@ Engines (tiny random-weight Llama, float32, same settings for all):
   restart through ``recover()``), the corrupted chunks fail their checksum and
   are recomputed, and the output is still identical;
 * ``lmdb``: the same as ``disk`` with an LMDB tier.
+
+Round 3 sends the six prompts at once, after a reset, with two new ones: each
+hit must stage 4 chunks into the 8-chunk host tier, so lookups wait a step for
+staging room (``tiercache_lookup_waits_total{reason="no_staging_room"}``)
+instead of recomputing what did not fit, and the new prompts' stores find every
+host slot being written: refused, they are offered again next step
+(``tiercache_store_refused_chunks_total``), so round 4 finds them whole.
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ import pytest
 
 from tiercache.testing.engine_runner import random_prompts, run_engine
 
-from .conftest import engine_spec
+from .conftest import cached, engine_spec, metric_delta
 
 CHUNK = 128
 HOST_CHUNKS = 8  # one request's 4 chunks fit as staging, with slack for copies in flight; 24 do not
 PROMPTS = random_prompts(6, 520, seed=21)  # 4 full chunks each: 24 chunks, 6x the host tier
+NEW = random_prompts(2, 520, seed=22)  # cold in round 3, stored while the host tier is full of staging
 
 
 def rounds() -> list[dict[str, Any]]:
@@ -35,6 +43,9 @@ def rounds() -> list[dict[str, Any]]:
         {"prompts": PROMPTS, "max_tokens": 12, "sequential": True},
         # One request at a time: each stages its own 4 chunks through the small host tier.
         {"prompts": PROMPTS, "max_tokens": 12, "reset_prefix_cache_before": True, "sequential": True},
+        # All at once: 24 chunks to stage and 8 to store through 8 host slots.
+        {"prompts": PROMPTS + NEW, "max_tokens": 12, "reset_prefix_cache_before": True},
+        {"prompts": NEW, "max_tokens": 12, "reset_prefix_cache_before": True, "sequential": True},
     ]
 
 
@@ -90,9 +101,8 @@ def test_output_identical(runs: dict[str, dict[str, Any]], kind: str) -> None:
 @pytest.mark.parametrize("kind", ["disk", "lmdb"])
 def test_lower_tier_serves_what_the_host_tier_evicted(runs: dict[str, dict[str, Any]], kind: str) -> None:
     assert tier_hits(runs[kind], 2, kind) > 0, runs[kind]["rounds"][2]["tiercache_metrics"]
-    cached = [r["num_cached_tokens"] for r in runs[kind]["rounds"][2]["requests"]]
     # After the reset every prompt is served from tiercache (host + lower tier): 4 chunks each.
-    assert all(c == 4 * CHUNK for c in cached), cached
+    assert cached(runs[kind], 2) == [4 * CHUNK] * len(PROMPTS)
 
 
 def test_restart_hits_from_disk_on_the_first_pass(runs: dict[str, dict[str, Any]]) -> None:
@@ -105,3 +115,19 @@ def test_corrupted_chunk_files_are_detected_and_recomputed(runs: dict[str, dict[
     samples = runs["disk_restart"]["rounds"][1]["tiercache_metrics"]
     failed = sum(v for k, v in samples.items() if k.startswith("tiercache_failed_chunks_total"))
     assert failed >= 1, samples  # checksum mismatches became failed loads, then recomputes
+
+
+@pytest.mark.parametrize("kind", ["disk", "lmdb"])
+def test_prompts_at_once_wait_for_staging_room_and_refused_stores_are_retried(
+        runs: dict[str, dict[str, Any]], kind: str) -> None:
+    """Round 3: every hit is whole (a lookup waits a step rather than staging part of its hit and
+    recomputing the rest) and the new prompts' refused stores land a step later: round 4 hits them whole."""
+    result = runs[kind]
+    samples = result["rounds"][3]["tiercache_metrics"]
+    assert metric_delta(result, 3, "tiercache_lookup_waits_total", 'reason="no_staging_room"') > 0, samples
+    assert metric_delta(result, 3, "tiercache_store_refused_chunks_total", 'tier="cpu"') > 0, samples  # the host tier
+    # every hit loaded whole (vLLM counts a staging_no_slot recompute as cached: the tier's figures tell)
+    assert metric_delta(result, 3, "tiercache_hit_tokens_total") == len(PROMPTS) * 4 * CHUNK, samples
+    assert metric_delta(result, 3, "tiercache_faults_total", 'reason="staging_no_slot"') == 0, samples
+    assert cached(result, 3)[: len(PROMPTS)] == [4 * CHUNK] * len(PROMPTS), samples
+    assert cached(result, 4) == [4 * CHUNK] * len(NEW), result["rounds"][4]["tiercache_metrics"]

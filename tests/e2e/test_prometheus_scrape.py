@@ -171,8 +171,8 @@ def test_the_cache_server_is_scraped_with_its_gets(stack: dict[str, Any]) -> Non
 def test_prometheus_accepts_every_dashboard_query(stack: dict[str, Any]) -> None:
     prom: PrometheusServer = stack["prom"]
     # every panel has data (a rate: once two scrapes saw its series) but those of things that did not
-    # happen here: P/D, faults, failures, evictions, refusals, pinning (no CUDA)
-    quiet = ("pd_", "faults", "failed_chunks", "evicted_chunks", "refused", "host_pinned")
+    # happen here: P/D, faults, failures, evictions, refusals, lookups told to wait, pinning (no CUDA)
+    quiet = ("pd_", "faults", "failed_chunks", "evicted_chunks", "refused", "lookup_waits", "host_pinned")
     deadline = time.monotonic() + 60
     while True:
         # prom.query raises when Prometheus refuses the PromQL

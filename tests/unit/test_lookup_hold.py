@@ -65,6 +65,11 @@ def test_no_hold_inside_vllms_own_cache_past_the_deadline_or_at_a_plain_miss() -
     assert not hold_for_busy_chunk(manager, fresh(), keys, 3, own_chunks=0, limit_s=1.0)  # a full hit
 
 
+def waits(sched: TierCacheScheduler, reason: str) -> float:
+    """tiercache_lookup_waits_total{reason} on the scheduler's registry (what /metrics shows)."""
+    return sched.metrics.sample("tiercache_lookup_waits_total", reason=reason) or 0
+
+
 def step(sched: TierCacheScheduler) -> list[int]:
     return [job.job_id for job in sched.build_connector_meta(step_output()).loads]
 
@@ -82,6 +87,7 @@ def test_the_scheduler_holds_a_second_request_while_the_first_stages_their_prefi
     assert sched.manager.lookup(keys) == 0  # why: all three chunks are being staged into the host tier
     assert sched.get_num_new_matched_tokens(second, 0) == (None, False)
     assert sched.take_counters().get("lookups_held") == 1
+    assert waits(sched, "chunk_being_written") == 1
     (job_id,) = step(sched)
     assert sched.get_num_new_matched_tokens(second, 0) == (None, False)  # still staging: asked again
     sched.update_connector_output(TierCacheWorkerMetadata(
@@ -117,6 +123,7 @@ def test_a_shared_answer_later_than_the_first_wait_defers_the_request_and_is_cou
         first = sched.get_num_new_matched_tokens(wanted, 0)
         assert first == ((None, False) if deferred else (3 * BLOCK, False))
         assert sched.take_counters().get("lookups_deferred", 0) == int(deferred)
+        assert waits(sched, "shared_tier_pending") == int(deferred)
         if deferred:  # vLLM's next steps: the answer lands within the lookup deadline
             deadline = time.monotonic() + 5
             again = sched.get_num_new_matched_tokens(wanted, 0)
@@ -169,6 +176,7 @@ def test_the_scheduler_holds_a_request_until_this_steps_staging_lands(tmp_path: 
     sched.update_state_after_alloc(first, blocks(), 3 * BLOCK)
     assert sched.get_num_new_matched_tokens(second, 0) == (None, False)
     assert sched.take_counters().get("lookups_held_for_staging") == 1
+    assert waits(sched, "no_staging_room") == 1 and waits(sched, "chunk_being_written") == 0
     (job_id,) = step(sched)
     sched.update_connector_output(TierCacheWorkerMetadata(
         done={job_id: JobReport(reports=1, failed_keys=set(), bytes=0, secs=0.0)}))
@@ -189,3 +197,4 @@ def test_a_hit_inside_vllms_own_cache_is_not_held_for_staging_room(tmp_path: pat
     sched.update_state_after_alloc(first, blocks(), 3 * BLOCK)  # three of the four slots staging
     assert sched.get_num_new_matched_tokens(second, 3 * BLOCK) == (0, False)
     assert "lookups_held_for_staging" not in sched.take_counters()
+    assert waits(sched, "no_staging_room") == 0

@@ -193,6 +193,8 @@ def test_a_store_the_full_host_tier_refused_is_offered_again_next_step() -> None
     sched.get_num_new_matched_tokens(a, 0)
     assert step(sched, a=a.num_prompt_tokens).stores == []
     assert sched.take_counters()["store_chunks_refused"] == 3  # two chunks and the partial chunk
+    refused = sched.metrics.sample("tiercache_store_refused_chunks_total", tier=sched.manager.host.name)
+    assert refused == 3  # on /metrics too (an operator's sign of a host tier too small)
     sched.manager.complete_store(list(busy.keys))  # READY now: evictable
     a.num_computed_tokens = a.num_prompt_tokens
     (store,) = step(sched, a=1).stores  # a decodes inside block 10: nothing new, the refused ones again
@@ -200,6 +202,7 @@ def test_a_store_the_full_host_tier_refused_is_offered_again_next_step() -> None
     assert [(s.first_block, s.block_ids) for s in store.segments][-1] == (0, (108, 109))
     report(sched, store.job_id)
     assert step(sched, a=1).stores == []  # stored: not offered a third time
+    assert sched.metrics.sample("tiercache_store_refused_chunks_total", tier=sched.manager.host.name) == 3
 
 
 def test_a_refused_partial_chunk_of_the_answer_is_not_left_held_back() -> None:
