@@ -541,8 +541,8 @@ def describe_run(
         copier = f"{args.threads or default_copy_threads()} copy thread(s)"
         copier += ", per-run copies" if args.per_run_copies else ""
         executor = args.kernel and not args.per_run_copies and host_kernel.run_kernel() is not None
-        stores = "streaming" if host_kernel.streaming() else "cached"
-        copier += f", compiled executor ({stores} stores) from 1 MiB parts" if executor else ", numpy gathers only"
+        copier += f", compiled executor ({host_kernel.stores_used()} stores) from 1 MiB parts" if executor \
+            else ", numpy gathers only"
     return (
         f"host tier {device.type}: {geom.layers} layers of {shape} {geom.dtype}, "
         f"{geom.bytes_per_block} B/block, {page} B/page, "

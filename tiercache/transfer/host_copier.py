@@ -28,7 +28,7 @@ from tiercache.transfer.device import (
     default_copy_threads,
 )
 from tiercache.transfer.host_gather import HostSegmentCopier
-from tiercache.transfer.host_kernel import run_kernel, streaming
+from tiercache.transfer.host_kernel import run_kernel, stores_used
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,7 @@ class HostThreadCopier(BlockCopier):
         sc = self._segment_copier
         if self._kernel is not None:
             small = f"numpy gathers ({len(sc.groups)} group(s))" if sc is not None else "the executor"
-            stores = "streaming" if streaming() else "cached"
-            return f"copy plan run by the compiled executor ({stores} stores, parts >= {KERNEL_MIN_BYTES} B); else {small}"
+            return f"copy plan run by the compiled executor ({stores_used()} stores, parts >= {KERNEL_MIN_BYTES} B); else {small}"
         if self.planes is not None:
             return "slab in planes: one memmove per region and run of blocks (copy plan)"
         if sc is None:

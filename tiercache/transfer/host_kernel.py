@@ -94,6 +94,22 @@ def _cpu_vendor() -> str:
     return ""
 
 
+def stores_used(stream: bool | None = None) -> str:
+    """``"streaming"`` or ``"cached"``: the stores :func:`run_kernel` writes with (``stream`` None: as
+    :func:`streaming` says), after the fallback of a build older than ``copy_runs_stream`` (cached)."""
+    wanted = streaming() if stream is None else stream
+    return "streaming" if wanted and _stream_address() is not None else "cached"
+
+
+def _stream_address() -> int | None:
+    """The built module's ``copy_runs_stream``; None where it is not built or older than it."""
+    try:
+        from tiercache.transfer import _copy_runs
+    except ImportError:
+        return None
+    return getattr(_copy_runs, "COPY_RUNS_STREAM", None)
+
+
 def built() -> bool:
     """Whether ``pip install`` compiled the module (a C compiler was found)."""
     try:
@@ -111,7 +127,7 @@ def _kernel(stream: bool) -> _Fn | None:
         logger.info("tiercache copy executor not built (numpy gathers instead): %s", exc)
         return None
     proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-    address = getattr(_copy_runs, "COPY_RUNS_STREAM", None) if stream else _copy_runs.COPY_RUNS
+    address = _stream_address() if stream else _copy_runs.COPY_RUNS
     if address is None:  # a module built before copy_runs_stream existed: rebuild (pip install -e .)
         logger.warning("tiercache copy executor has no streaming stores (an older build): cached stores instead")
         address = _copy_runs.COPY_RUNS

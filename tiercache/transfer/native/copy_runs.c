@@ -42,11 +42,13 @@
 #define PREFETCH_BYTES 4096
 #define CACHE_LINE 64
 
+/* Hints the first PREFETCH_BYTES of a run's source (for reading) and, unless dst is NULL, of its
+ * destination (for writing) into the cache. */
 static inline void prefetch_run(const char *src, char *dst, int64_t size) {
     if (size > PREFETCH_BYTES) size = PREFETCH_BYTES;
     for (int64_t at = 0; at < size; at += CACHE_LINE) {
         __builtin_prefetch(src + at, 0, 3);
-        __builtin_prefetch(dst + at, 1, 3);
+        if (dst != NULL) __builtin_prefetch(dst + at, 1, 3);
     }
 }
 
@@ -88,16 +90,12 @@ static void stream_sse2(char *dst, const char *src, int64_t size) {
     }
 }
 
-static inline void prefetch_source(const char *src, int64_t size) {
-    if (size > PREFETCH_BYTES) size = PREFETCH_BYTES;
-    for (int64_t at = 0; at < size; at += CACHE_LINE) __builtin_prefetch(src + at, 0, 3);
-}
-
 static void copy_runs_stream(const int64_t *dst, const int64_t *src, const int64_t *sizes, int64_t n) {
-    for (int64_t i = 0; i < n && i < STREAM_AHEAD; i++) prefetch_source((const char *)(intptr_t)src[i], sizes[i]);
+    /* the source alone: a streaming store reads nothing of the destination */
+    for (int64_t i = 0; i < n && i < STREAM_AHEAD; i++) prefetch_run((const char *)(intptr_t)src[i], NULL, sizes[i]);
     for (int64_t i = 0; i < n; i++) {
         if (i + STREAM_AHEAD < n)
-            prefetch_source((const char *)(intptr_t)src[i + STREAM_AHEAD], sizes[i + STREAM_AHEAD]);
+            prefetch_run((const char *)(intptr_t)src[i + STREAM_AHEAD], NULL, sizes[i + STREAM_AHEAD]);
         char *d = (char *)(intptr_t)dst[i];
         const char *s = (const char *)(intptr_t)src[i];
         int64_t size = sizes[i];
