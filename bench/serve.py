@@ -86,7 +86,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "is a prefix-cache hit, driven with the same prompts in the same run",
         examples=("   # the issue's: 6 cases, concurrency 2 and 8, prefixes of 1k and 4k tokens (defaults)",
                   ("--model tiny --prefix-lens 512 --prompts 16 --num-prefixes 8 --concurrency 2 "
-                   "--cases ideal none host")),
+                   "--cases ideal none host"),
+                  ("--prefix-lens 4096 --num-prefixes 16 --turns 4 --turns-only --cases ideal host disk"
+                   "   # 4k-token conversations alone")),
     )
     parser.add_argument("--model", default="heavy", choices=("tiny", "heavy"),
                         help="random-weight test model (default %(default)s; tiny is for smoke runs)")
@@ -116,6 +118,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=0,
                         help="also run NUM_PREFIXES multi-turn conversations of this many turns in every cell "
                         "(default 0: none; the issue's variant: 4)")
+    parser.add_argument("--turns-only", action="store_true",
+                        help="with --turns: run the multi-turn cells alone, not the prefix-repetition ones "
+                        "(their own run, when those were measured before)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tiercache's chunk (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first cell's prompts (default 0)")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a server to start")
@@ -123,6 +128,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="models, logs, stores (default: a new folder under /tmp, kept)")
     args = parser.parse_args(argv)
+    if args.turns_only and not args.turns:
+        parser.error("--turns-only needs --turns (how many turns each conversation has)")
     if args.prompts < args.num_prefixes:
         parser.error("--prompts must be at least --num-prefixes (each prefix is used PROMPTS // NUM_PREFIXES times)")
     return args
@@ -213,7 +220,7 @@ def serve_case(args: argparse.Namespace, case: str, prefix_len: int, ctx: dict[s
                                      prompts=max(4, 2 * top), concurrency=top, seed=args.seed + 99_991,
                                      result_dir=work, result_name="warmup.json")
         serve_stack.run_load(warm, work / "loadgen.log", inner, args.run_timeout)
-        for conc in args.concurrency:
+        for conc in () if args.turns_only else args.concurrency:
             outer.set_postfix_str(f"{case} {prefix_len}, c={conc}: measuring")
             server.reset()
             before = server.metrics()
@@ -265,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "or a smaller --engine-kv-fraction, make tiercache matter)")
     runs: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
-    total = len(args.cases) * len(args.prefix_lens) * len(args.concurrency) * (2 if args.turns else 1)
+    workloads = (0 if args.turns_only else 1) + (1 if args.turns else 0)
+    total = len(args.cases) * len(args.prefix_lens) * len(args.concurrency) * workloads
     largest = max(sizes.values(), key=lambda s: s.store_bytes)
     with ExitStack() as stack:
         heads = max(1, int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 1))

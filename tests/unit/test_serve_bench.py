@@ -167,3 +167,12 @@ def test_contained_faults_are_named_per_run_and_quiet_runs_say_nothing() -> None
     assert serve_report.fault_lines([quiet]) == []
     (line,) = serve_report.fault_lines([loud])
     assert line.startswith("faults: disk ") and line.endswith(": staging_no_slot 3")
+
+
+def test_turns_only_is_refused_without_turns() -> None:
+    from bench import serve
+
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--turns-only"])
+    args = serve.parse_args(["--turns", "4", "--turns-only", "--concurrency", "2", "8"])
+    assert args.turns_only and args.turns == 4 and args.concurrency == [2, 8]
