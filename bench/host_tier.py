@@ -67,7 +67,7 @@ from bench import common, cuda_refs
 from tiercache.jobs import TransferJob
 from tiercache.layout import KVBlockLayout, block_runs
 from tiercache.testing.job_builders import make_job
-from tiercache.transfer import host_kernel
+from tiercache.transfer import host_copier, host_kernel
 from tiercache.transfer.device import CopySegment, Direction, default_copy_threads
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.host_gather import HostSegmentCopier
@@ -133,6 +133,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="CPU: parts of 1 MiB and more copied by the compiled copy-plan executor where it was built "
         "(tiercache/transfer/host_kernel.py, the default); --no-kernel: numpy gathers only, as with "
         "TIERCACHE_HOST_KERNEL=0 (default on)")
+    add("--segments", action=argparse.BooleanOptionalAction, default=True,
+        help="CPU: each segment planned and copied in one C call (host_kernel.segment_runner, the default "
+        "where the executor is built); --no-segments: the copier before session 29 (numpy gathers below "
+        "1 MiB parts, numpy plans run by the executor from there), for before/after runs (default on)")
     parser.add_seed()
     return parser.parse_args(argv)
 
@@ -541,7 +545,8 @@ def describe_run(
         copier = f"{args.threads or default_copy_threads()} copy thread(s)"
         copier += ", per-run copies" if args.per_run_copies else ""
         executor = args.kernel and not args.per_run_copies and host_kernel.run_kernel() is not None
-        copier += f", compiled executor ({host_kernel.stores_used()} stores) from 1 MiB parts" if executor \
+        how = "each segment planned in C" if args.segments else "from 1 MiB parts"
+        copier += f", compiled executor ({host_kernel.stores_used()} stores, {how})" if executor \
             else ", numpy gathers only"
     return (
         f"host tier {device.type}: {geom.layers} layers of {shape} {geom.dtype}, "
@@ -558,6 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ[host_kernel.ENV_SWITCH] = "1" if args.kernel and not args.per_run_copies else "0"
     if args.per_run_copies:
         HostSegmentCopier.build = classmethod(lambda cls, *a: None)  # type: ignore[method-assign]
+    if args.per_run_copies or not args.segments:
+        host_copier.segment_runner = lambda *a, **k: None  # type: ignore[assignment]
     geom = Geometry(
         args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype, args.kv_split
     )

@@ -7,9 +7,12 @@ consecutive runs, ids out of order, a single page, partial chunks, several
 segments, and the largest job (every block of the engine into every slot), for
 stores and loads, with pages of 2 KiB (the small-model case of issue 22) and
 of odd sizes. Negative controls: a plan with two runs swapped is caught, and
-``TIERCACHE_HOST_KERNEL=0`` turns the executor off. The copier: each part is
-copied alone (no batches), parts of ``KERNEL_MIN_BYTES`` and more by the
-executor, smaller ones by the numpy gathers, and a bad part fails alone.
+``TIERCACHE_HOST_KERNEL=0`` turns the executor off. ``copy_segment`` (each
+segment's plan made in C) against the same reference, its index checks and a
+malformed geometry. The copier: each part is copied alone (no batches), every
+part of a slab of slots segment by segment in C; without that (planes), parts of
+``KERNEL_MIN_BYTES`` and more by the executor, smaller ones by the numpy
+gathers; a bad part fails alone.
 Where ``TIERCACHE_REQUIRE_NATIVE=1`` (CI: scripts/test.sh) the executor must
 have been built: a missing compiler fails the run instead of skipping these.
 """
@@ -113,6 +116,59 @@ def test_kernel_plans_leave_the_reference_bytes(kind: str, page: int, executor: 
         run(plan_copy(geometry, False, segments))
         naive(ref_pages, slab, CopyJob(2, "load", segments))
         assert all(torch.equal(a, b) for a, b in zip(pages, ref_pages))
+
+
+@needs_kernel
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "cached"])
+@pytest.mark.parametrize("page", [2048, 192, 96], ids=["2KiB-pages", "192B-pages", "96B-pages"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_segments_planned_in_c_leave_the_reference_bytes(kind: str, page: int, stream: bool) -> None:
+    """copy_segment (host_kernel.segment_runner) makes each segment's plan itself: same reference."""
+    layout, pages = make_layout(page)
+    slab = torch.randint(0, 256, (SLOTS, layout.slot_bytes(BPC)), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1))
+    runner = host_kernel.segment_runner(PlanGeometry.of(layout, slab, BPC), NUM_BLOCKS, SLOTS, force=True,
+                                        stream=stream)
+    assert runner is not None
+    for segments in jobs_of(kind, random.Random(kind)):
+        ref_slab = slab.clone()
+        assert sum(runner(seg, True) for seg in segments) == sum(len(s.block_ids) for s in segments) * 3 * page
+        naive(pages, ref_slab, CopyJob(1, "store", segments))
+        assert torch.equal(slab, ref_slab)
+        for seg in segments:
+            slab[seg.slot] = torch.randint(0, 256, (slab.shape[1],), dtype=torch.uint8)
+        ref_pages = [p.clone() for p in pages]
+        for seg in segments:
+            runner(seg, False)
+        naive(ref_pages, slab, CopyJob(2, "load", segments))
+        assert all(torch.equal(a, b) for a, b in zip(pages, ref_pages))
+
+
+@needs_kernel
+def test_copy_segment_refuses_bad_indices_and_geometry_before_copying() -> None:
+    """Every index is checked in C (the messages of check_segment), nothing is written; a geometry of
+    the wrong length is refused; a planes slab gets no runner (its plan stays in numpy)."""
+    from tiercache.transfer._copy_runs import copy_segment
+
+    layout, _ = make_layout(2048)
+    slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
+    geometry = PlanGeometry.of(layout, slab, BPC)
+    runner = host_kernel.segment_runner(geometry, NUM_BLOCKS, SLOTS, force=True)
+    assert runner is not None
+    for seg, message in ((CopySegment(SLOTS, 0, (1,)), "slot"), (CopySegment(-1, 0, (1,)), "slot"),
+                         (CopySegment(0, 0, (NUM_BLOCKS,)), "block id"), (CopySegment(0, 0, (2, -1)), "block id"),
+                         (CopySegment(0, BPC - 1, (1, 2)), "overflow")):
+        with pytest.raises(IndexError, match=message):
+            runner(seg, False)  # a load: engine bytes would be overwritten
+        with pytest.raises(IndexError, match=message):
+            runner(seg, True)
+        assert not slab.any()
+    with pytest.raises(ValueError, match="malformed geometry"):
+        copy_segment(b"\x01" * 40, True, False, 0, 0, (1,))
+    with pytest.raises(TypeError):
+        copy_segment(b"", True, False, 0, 0)  # type: ignore[call-arg]
+    planes = PlanGeometry.of(layout, slab, BPC, [slab.view(-1)[: 8]] * 3)
+    assert host_kernel.segment_runner(planes, NUM_BLOCKS, SLOTS, force=True) is None
 
 
 @needs_kernel
@@ -251,10 +307,44 @@ def test_parts_queued_behind_a_busy_thread_are_copied_one_by_one(
         copier.close()
 
 
-def test_parts_go_to_the_executor_from_kernel_min_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below KERNEL_MIN_BYTES a part takes the numpy gathers, from it the executor (counted)."""
+def test_every_part_of_a_slab_of_slots_is_copied_segment_by_segment_in_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the executor is built, small and large parts alike go to copy_segment (counted), not to the
+    numpy gathers or a numpy plan; the bytes are the reference's."""
     if run is None:
         pytest.skip("the copy executor was not built here")
+    used: list[tuple[int, bool]] = []
+
+    def counting(*args: object, **kwargs: object) -> object:
+        inner = host_kernel.segment_runner(*args, force=True, **kwargs)  # type: ignore[arg-type]
+        assert inner is not None
+        return lambda seg, store: used.append((seg.slot, store)) or inner(seg, store)
+
+    monkeypatch.setattr(host_copier, "segment_runner", counting)
+    layout, pages = make_layout(2048)
+    slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
+    copier = HostThreadCopier(layout, slab, BPC, threads=1)
+    try:
+        assert "each segment planned and copied" in copier._describe()
+        jobs = [CopyJob(1, "store", (CopySegment(0, 0, (7,)),)),
+                CopyJob(2, "store", (CopySegment(1, 0, (20, 3, 11)), CopySegment(2, 1, (5,))))]
+        for job in jobs:
+            copier.submit(job)
+        assert all(d.ok for d in copier.wait_all())
+        assert used == [(0, True), (1, True), (2, True)]
+        reference = torch.zeros_like(slab)
+        for job in jobs:
+            naive(pages, reference, job)
+        assert torch.equal(slab, reference)
+    finally:
+        copier.close()
+
+
+def test_parts_go_to_the_executor_from_kernel_min_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without copy_segment (a planes slab, or as here turned off): below KERNEL_MIN_BYTES a part takes the
+    numpy gathers, from it the executor (counted)."""
+    if run is None:
+        pytest.skip("the copy executor was not built here")
+    monkeypatch.setattr(host_copier, "segment_runner", lambda *a, **k: None)
     used: list[int] = []
 
     def counting() -> object:

@@ -28,7 +28,7 @@ from tiercache.transfer.device import (
     default_copy_threads,
 )
 from tiercache.transfer.host_gather import HostSegmentCopier
-from tiercache.transfer.host_kernel import run_kernel, stores_used
+from tiercache.transfer.host_kernel import run_kernel, segment_runner, stores_used
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,12 @@ class HostThreadCopier(BlockCopier):
     where a second core is free. The numpy copies release the GIL (see
     ``GIL_FREE_ITEMS``); each part costs about ten microseconds of Python.
 
-    Parts of :data:`KERNEL_MIN_BYTES` and more go to the compiled copy-plan
-    executor (:mod:`tiercache.transfer.host_kernel`) where it was built; smaller
-    ones keep the numpy gathers (less Python per part). Each part is copied alone:
+    Where the compiled copy-plan executor (:mod:`tiercache.transfer.host_kernel`)
+    was built, every part of a slab of slots goes to it segment by segment, each
+    segment's plan made in C (``copy_segment``: no numpy plan, no gathers); a
+    planes slab sends it every part as a numpy plan. Without the executor, parts
+    go to the numpy gathers (a planes slab: one memmove per run of the plan).
+    Each part is copied alone:
     taking the parts queued behind a thread as one batch measured slower on the
     Intel VM at 256-512 KiB jobs (0.30-0.39 of memcpy against 0.51-0.68 alone).
 
@@ -87,6 +90,9 @@ class HostThreadCopier(BlockCopier):
         self._kernel = run_kernel() if _host_resident(layout, slab, planes) else None
         self._segment_copier = None if planes is not None else HostSegmentCopier.build(layout, slab, blocks_per_chunk)
         self._geometry = PlanGeometry.of(layout, slab, blocks_per_chunk, planes)
+        # every part of a slab of slots, segment by segment, planned and copied in C (host_kernel.segment_runner)
+        self._run_segment = segment_runner(self._geometry, layout.num_blocks, slab.shape[0]) \
+            if self._kernel is not None else None
         self._block_bytes = sum(layout.page_bytes)  # bytes one block id moves
         self.threads = threads or default_copy_threads()
         self._parts: queue.SimpleQueue[_Part | None] = queue.SimpleQueue()
@@ -112,6 +118,8 @@ class HostThreadCopier(BlockCopier):
 
     def _describe(self) -> str:
         sc = self._segment_copier
+        if self._run_segment is not None:
+            return f"each segment planned and copied by the compiled executor ({stores_used()} stores)"
         if self._kernel is not None:
             small = f"numpy gathers ({len(sc.groups)} group(s))" if sc is not None else "the executor"
             return f"copy plan run by the compiled executor ({stores_used()} stores, parts >= {KERNEL_MIN_BYTES} B); else {small}"
@@ -133,6 +141,11 @@ class HostThreadCopier(BlockCopier):
             self._parts.put((seq, part))
 
     def _copy(self, job: CopyJob) -> int:
+        if self._run_segment is not None:
+            # each segment's indices checked in C before it copies: a bad segment fails the job (segments
+            # before it copied; a failed job's slots and blocks are never used)
+            store = job.direction == "store"
+            return sum(self._run_segment(seg, store) for seg in job.segments)
         small = self._kernel is None or _part_bytes(job, self._block_bytes) < KERNEL_MIN_BYTES
         if self._segment_copier is not None and small:
             return self._segment_copier.copy(job)
@@ -198,7 +211,8 @@ def _host_resident(layout: KVBlockLayout, slab: torch.Tensor, planes: Sequence[t
 _Part = tuple[int, CopyJob]  # (submission number, the segments of a job one thread copies)
 
 
-# A part this big or bigger goes to the compiled executor even where numpy gathers could copy it: below,
+# Without copy_segment (tests turn it off): a part this big or bigger goes to the compiled executor as a numpy
+# plan even where numpy gathers could copy it: below,
 # the plan's ~20 us of numpy calls cost more than the faster copy saves (measured on the Intel VM with
 # two threads: the executor behind the gathers at 256-512 KiB parts, ahead from 1 MiB parts: jobs of
 # 2 MiB and more).
