@@ -145,6 +145,36 @@ def test_segments_planned_in_c_leave_the_reference_bytes(kind: str, page: int, s
 
 
 @needs_kernel
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "cached"])
+def test_segments_planned_in_c_with_regions_of_other_pages(stream: bool) -> None:
+    """A hybrid model's layout: regions of different page sizes and block strides (a state layer's large
+    page beside attention pages), every job shape, against the same reference."""
+    gen = torch.Generator().manual_seed(3)
+    kvs = {name: torch.randint(0, 256, (NUM_BLOCKS, 2, half), dtype=torch.uint8, generator=gen)
+           for name, half in (("attn0", 1024), ("state", 3072), ("attn1", 48))}
+    layout = KVBlockLayout.from_kv_caches(kvs, NUM_BLOCKS)
+    pages = [t.reshape(NUM_BLOCKS, -1) for t in kvs.values()]
+    slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
+    runner = host_kernel.segment_runner(PlanGeometry.of(layout, slab, BPC), NUM_BLOCKS, SLOTS, force=True,
+                                        stream=stream)
+    assert runner is not None
+    for kind in KINDS:
+        for segments in jobs_of(kind, random.Random(kind)):
+            ref_slab = slab.clone()
+            for seg in segments:
+                runner(seg, True)
+            naive(pages, ref_slab, CopyJob(1, "store", segments))
+            assert torch.equal(slab, ref_slab), kind
+            for seg in segments:  # fresh slot bytes back into the engine
+                slab[seg.slot] = torch.randint(0, 256, (slab.shape[1],), dtype=torch.uint8, generator=gen)
+            ref_pages = [p.clone() for p in pages]
+            for seg in segments:
+                runner(seg, False)
+            naive(ref_pages, slab, CopyJob(2, "load", segments))
+            assert all(torch.equal(a, b) for a, b in zip(pages, ref_pages)), kind
+
+
+@needs_kernel
 def test_copy_segment_refuses_bad_indices_and_geometry_before_copying() -> None:
     """Every index is checked in C (the messages of check_segment), nothing is written; a geometry of
     the wrong length is refused; a planes slab gets no runner (its plan stays in numpy)."""
@@ -169,6 +199,28 @@ def test_copy_segment_refuses_bad_indices_and_geometry_before_copying() -> None:
         copy_segment(b"", True, False, 0, 0)  # type: ignore[call-arg]
     planes = PlanGeometry.of(layout, slab, BPC, [slab.view(-1)[: 8]] * 3)
     assert host_kernel.segment_runner(planes, NUM_BLOCKS, SLOTS, force=True) is None
+
+
+@needs_kernel
+def test_a_build_older_than_copy_segment_keeps_the_numpy_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install compiled before copy_segment existed: no runner (a warning), and the copier
+    still copies (numpy gathers / plans), where it used to fail to import."""
+    from tiercache.transfer import _copy_runs
+
+    monkeypatch.delattr(_copy_runs, "copy_segment")
+    layout, pages = make_layout(2048)
+    slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
+    assert host_kernel.segment_runner(PlanGeometry.of(layout, slab, BPC), NUM_BLOCKS, SLOTS, force=True) is None
+    copier = HostThreadCopier(layout, slab, BPC, threads=1)
+    try:
+        job = CopyJob(1, "store", (CopySegment(2, 0, (20, 3, 11, 7)),))
+        copier.submit(job)
+        assert all(d.ok for d in copier.wait_all())
+        reference = torch.zeros_like(slab)
+        naive(pages, reference, job)
+        assert torch.equal(slab, reference)
+    finally:
+        copier.close()
 
 
 @needs_kernel

@@ -51,8 +51,10 @@ For a slab of slots only (a planes slab keeps the plan).
 Contract: the caller owns every address of the plan for the call and guarantees
 them valid (bounds checked by :func:`~tiercache.transfer.device.check_segment`
 before planning) and the runs' destinations disjoint from every source; the
-executor neither checks nor allocates. It is stateless: any number of threads
-may call it at once.
+executor neither checks nor allocates. ``copy_segment`` checks its indices
+against the geometry's counts; the geometry's addresses (engine KV tensors,
+slab) are the copier's, valid while it lives. Both are stateless: any number of
+threads may call them at once.
 """
 
 from __future__ import annotations
@@ -190,8 +192,12 @@ def segment_runner(geometry: PlanGeometry, num_blocks: int, num_slots: int, forc
     stream = streaming() if stream is None else stream
     if geometry.planes or run_kernel(force=force, stream=stream) is None:
         return None
-    from tiercache.transfer._copy_runs import copy_segment
+    from tiercache.transfer import _copy_runs
 
+    copy_segment = getattr(_copy_runs, "copy_segment", None)
+    if copy_segment is None:  # a module built before copy_segment existed: rebuild (pip install -e .)
+        logger.warning("tiercache copy executor has no copy_segment (an older build): numpy plans and gathers")
+        return None
     g = geometry
     packed = np.concatenate([
         np.asarray([g.region_base.size, num_blocks, num_slots, g.blocks_per_chunk, g.slot_step], np.int64),

@@ -42,9 +42,12 @@
  * with copy_runs or copy_runs_stream with the GIL released. Returns the bytes
  * moved.
  *
- * Contract: every address is valid for its run for the whole call and no run's
- * destination overlaps any source (the caller checks bounds before planning:
- * tiercache.transfer.device.check_segment); nothing is checked or allocated here.
+ * Contract of copy_runs / copy_runs_stream: every address is valid for its run
+ * for the whole call and no run's destination overlaps any source (the caller
+ * checks bounds before planning: tiercache.transfer.device.check_segment);
+ * nothing is checked or allocated there. copy_segment checks its own indices
+ * against the geometry's counts; the geometry's addresses (the engine's KV
+ * tensors, the slab) must stay valid while the copier that holds it lives.
  * A prefetch never faults, whatever the address.
  */
 #define PY_SSIZE_T_CLEAN
