@@ -98,6 +98,6 @@ class SchedulerReports:
             self.metrics.label(self.metrics.used_bytes, name).set(used * self.geometry.slot_bytes)
         for name, stats in self.manager.stats().tiers.items():
             refused = stats.store_refused - self._refused_reported.get(name, 0)
-            if refused:
-                self._refused_reported[name] = stats.store_refused
+            if refused > 0:  # (TierStats only grow; a counter must never be given less)
                 self.metrics.label(self.metrics.store_refused, name).inc(refused)
+            self._refused_reported[name] = stats.store_refused
