@@ -83,16 +83,17 @@ class HostThreadCopier(BlockCopier):
         planes: Sequence[torch.Tensor] | None = None,
     ) -> None:
         super().__init__(layout, slab, blocks_per_chunk, planes)
-        # The copy plan run by the compiled executor where it was built (tiercache.transfer.host_kernel)
-        # for parts of KERNEL_MIN_BYTES and more; numpy gathers per slot for smaller parts (less Python
-        # per part); the plan with one memmove per run where neither applies (no executor, and layout
-        # planes or pages the gathers cannot address).
+        # Where the compiled executor was built (tiercache.transfer.host_kernel): every part of a slab of
+        # slots segment by segment, planned and copied in C; a planes slab's parts as numpy plans it runs.
+        # Without it: numpy gathers per slot, or the plan with one memmove per run where the gathers do not
+        # apply (layout planes, or pages the gathers cannot address). The gathers' windows are built only
+        # where they may run.
         self._kernel = run_kernel() if _host_resident(layout, slab, planes) else None
-        self._segment_copier = None if planes is not None else HostSegmentCopier.build(layout, slab, blocks_per_chunk)
         self._geometry = PlanGeometry.of(layout, slab, blocks_per_chunk, planes)
-        # every part of a slab of slots, segment by segment, planned and copied in C (host_kernel.segment_runner)
         self._run_segment = segment_runner(self._geometry, layout.num_blocks, slab.shape[0]) \
             if self._kernel is not None else None
+        self._segment_copier = None if planes is not None or self._run_segment is not None \
+            else HostSegmentCopier.build(layout, slab, blocks_per_chunk)
         self._block_bytes = sum(layout.page_bytes)  # bytes one block id moves
         self.threads = threads or default_copy_threads()
         self._parts: queue.SimpleQueue[_Part | None] = queue.SimpleQueue()
