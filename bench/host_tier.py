@@ -137,6 +137,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="CPU: each segment planned and copied in one C call (host_kernel.segment_runner, the default "
         "where the executor is built); --no-segments: the copier before session 29 (numpy gathers below "
         "1 MiB parts, numpy plans run by the executor from there), for before/after runs (default on)")
+    add("--batches", action=argparse.BooleanOptionalAction, default=True,
+        help="CPU: a copy thread copies the parts queued behind it as one batch, one C call (the default "
+        "since session 30); --no-batches: each part alone, as before, for before/after runs (default on)")
     parser.add_seed()
     return parser.parse_args(argv)
 
@@ -544,6 +547,7 @@ def describe_run(
     else:
         copier = f"{args.threads or default_copy_threads()} copy thread(s)"
         copier += ", per-run copies" if args.per_run_copies else ""
+        copier += ", parts queued behind a thread copied as one batch" if args.batches else ", each part alone"
         executor = args.kernel and not args.per_run_copies and host_kernel.run_kernel() is not None
         how = "each segment planned in C" if args.segments else "from 1 MiB parts"
         copier += f", compiled executor ({host_kernel.stores_used()} stores, {how})" if executor \
@@ -565,6 +569,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         HostSegmentCopier.build = classmethod(lambda cls, *a: None)  # type: ignore[method-assign]
     if args.per_run_copies or not args.segments:
         host_copier.segment_runner = lambda *a, **k: None  # type: ignore[assignment]
+    if not args.batches:
+        host_copier.BATCH_PARTS = 0  # a thread's batch is the part it waited for
     geom = Geometry(
         args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype, args.kv_split
     )

@@ -264,16 +264,17 @@ def test_copy_segments_matches_the_numpy_path() -> None:
 
 # ---------------------------------------------------------------------------- in flight
 def gate_first_job(copier: HostThreadCopier, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Make the copy of job 1 wait until the returned event is set."""
+    """Make the copy of job 1 (and of any batch of parts a thread took with it) wait until the returned
+    event is set."""
     release = threading.Event()
-    copy = copier._copy
+    run_parts = copier._run_parts
 
-    def gated(job: CopyJob) -> int:
-        if job.job_id == 1:
+    def gated(batch: list) -> None:
+        if any(part.job_id == 1 for _, part in batch):
             assert release.wait(10)
-        return copy(job)
+        run_parts(batch)
 
-    monkeypatch.setattr(copier, "_copy", gated)
+    monkeypatch.setattr(copier, "_run_parts", gated)
     return release
 
 

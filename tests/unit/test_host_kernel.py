@@ -9,10 +9,11 @@ stores and loads, with pages of 2 KiB (the small-model case of issue 22) and
 of odd sizes. Negative controls: a plan with two runs swapped is caught, and
 ``TIERCACHE_HOST_KERNEL=0`` turns the executor off. ``copy_segment`` (each
 segment's plan made in C) against the same reference, its index checks and a
-malformed geometry. The copier: each part is copied alone (no batches), every
-part of a slab of slots segment by segment in C; without that (planes), parts of
+malformed geometry, ``copy_segments`` (many segments in one call) likewise. The
+copier: a thread copies the parts queued behind it as one batch, every part of a
+slab of slots in C (one call per batch); without that (planes), parts of
 ``KERNEL_MIN_BYTES`` and more by the executor, smaller ones by the numpy
-gathers; a bad part fails alone.
+gathers, one by one; a bad part fails alone, also inside a batch.
 Where ``TIERCACHE_REQUIRE_NATIVE=1`` (CI: scripts/test.sh) the executor must
 have been built: a missing compiler fails the run instead of skipping these.
 """
@@ -132,14 +133,14 @@ def test_segments_planned_in_c_leave_the_reference_bytes(kind: str, page: int, s
     assert runner is not None
     for segments in jobs_of(kind, random.Random(kind)):
         ref_slab = slab.clone()
-        assert sum(runner(seg, True) for seg in segments) == sum(len(s.block_ids) for s in segments) * 3 * page
+        assert runner(segments, True) == sum(len(s.block_ids) for s in segments) * 3 * page  # one call
         naive(pages, ref_slab, CopyJob(1, "store", segments))
         assert torch.equal(slab, ref_slab)
         for seg in segments:
             slab[seg.slot] = torch.randint(0, 256, (slab.shape[1],), dtype=torch.uint8)
         ref_pages = [p.clone() for p in pages]
-        for seg in segments:
-            runner(seg, False)
+        for seg in segments:  # one segment a call
+            runner([seg], False)
         naive(ref_pages, slab, CopyJob(2, "load", segments))
         assert all(torch.equal(a, b) for a, b in zip(pages, ref_pages))
 
@@ -162,52 +163,62 @@ def test_segments_planned_in_c_with_regions_of_other_pages(stream: bool) -> None
         for segments in jobs_of(kind, random.Random(kind)):
             ref_slab = slab.clone()
             for seg in segments:
-                runner(seg, True)
+                runner([seg], True)
             naive(pages, ref_slab, CopyJob(1, "store", segments))
             assert torch.equal(slab, ref_slab), kind
             for seg in segments:  # fresh slot bytes back into the engine
                 slab[seg.slot] = torch.randint(0, 256, (slab.shape[1],), dtype=torch.uint8, generator=gen)
             ref_pages = [p.clone() for p in pages]
-            for seg in segments:
-                runner(seg, False)
+            runner(segments, False)
             naive(ref_pages, slab, CopyJob(2, "load", segments))
             assert all(torch.equal(a, b) for a, b in zip(pages, ref_pages)), kind
 
 
 @needs_kernel
 def test_copy_segment_refuses_bad_indices_and_geometry_before_copying() -> None:
-    """Every index is checked in C (the messages of check_segment), nothing is written; a geometry of
-    the wrong length is refused; a planes slab gets no runner (its plan stays in numpy)."""
-    from tiercache.transfer._copy_runs import copy_segment
+    """Every index is checked in C (the messages of check_segment), nothing is written, also where the
+    bad segment follows good ones in one call; a geometry of the wrong length and malformed segments are
+    refused; a planes slab gets no runner (its plan stays in numpy)."""
+    from tiercache.transfer._copy_runs import copy_segment, copy_segments
 
     layout, _ = make_layout(2048)
     slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
     geometry = PlanGeometry.of(layout, slab, BPC)
     runner = host_kernel.segment_runner(geometry, NUM_BLOCKS, SLOTS, force=True)
     assert runner is not None
+    good = [CopySegment(1, 0, (3, 4)), CopySegment(2, 1, (9,))]
     for seg, message in ((CopySegment(SLOTS, 0, (1,)), "slot"), (CopySegment(-1, 0, (1,)), "slot"),
                          (CopySegment(0, 0, (NUM_BLOCKS,)), "block id"), (CopySegment(0, 0, (2, -1)), "block id"),
                          (CopySegment(0, BPC - 1, (1, 2)), "overflow")):
-        with pytest.raises(IndexError, match=message):
-            runner(seg, False)  # a load: engine bytes would be overwritten
-        with pytest.raises(IndexError, match=message):
-            runner(seg, True)
+        for store in (False, True):  # a load: engine bytes would be overwritten
+            with pytest.raises(IndexError, match=message):
+                runner([seg], store)
+            with pytest.raises(IndexError, match=message):
+                runner([*good, seg], store)  # the good ones before it are not copied either
         assert not slab.any()
     with pytest.raises(ValueError, match="malformed geometry"):
         copy_segment(b"\x01" * 40, True, False, 0, 0, (1,))
+    with pytest.raises(ValueError, match="malformed geometry"):
+        copy_segments(b"\x01" * 40, True, False, [(0, 0, (1,))])
     with pytest.raises(TypeError):
         copy_segment(b"", True, False, 0, 0)  # type: ignore[call-arg]
+    packed = host_kernel.segment_geometry(geometry, NUM_BLOCKS, SLOTS)
+    for malformed in ([(0, 0)], [[0, 0, (1,)]], [(0, 0, 5)], [(0, "0", (1,))], 7):
+        with pytest.raises(TypeError):
+            copy_segments(packed, True, False, malformed)
+    assert not slab.any()
+    assert runner([], True) == 0
     planes = PlanGeometry.of(layout, slab, BPC, [slab.view(-1)[: 8]] * 3)
     assert host_kernel.segment_runner(planes, NUM_BLOCKS, SLOTS, force=True) is None
 
 
 @needs_kernel
-def test_a_build_older_than_copy_segment_keeps_the_numpy_routes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An editable install compiled before copy_segment existed: no runner (a warning), and the copier
+def test_a_build_older_than_copy_segments_keeps_the_numpy_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install compiled before copy_segments existed: no runner (a warning), and the copier
     still copies (numpy gathers / plans), where it used to fail to import."""
     from tiercache.transfer import _copy_runs
 
-    monkeypatch.delattr(_copy_runs, "copy_segment")
+    monkeypatch.delattr(_copy_runs, "copy_segments")
     layout, pages = make_layout(2048)
     slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
     assert host_kernel.segment_runner(PlanGeometry.of(layout, slab, BPC), NUM_BLOCKS, SLOTS, force=True) is None
@@ -332,12 +343,20 @@ def submit_behind_the_first(copier: HostThreadCopier, calls: list[CopyJob], jobs
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["executor", "numpy"])
-def test_parts_queued_behind_a_busy_thread_are_copied_one_by_one(
+def test_parts_queued_behind_a_busy_thread_are_copied_as_one_batch(
     kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The parts queued behind a busy thread are its next batch: where segments are copied in C, one call
+    for all of them (their segments in submission order); with the numpy gathers, one by one in order.
+    Either way every job reports its own bytes, in submission order."""
     if kernel and run is None:
         pytest.skip("the copy executor was not built here")
     copier, calls, release, pages = gated_copier(monkeypatch, kernel)
+    batches: list[list[int]] = []
+    if kernel:
+        inner = copier._run_segments
+        assert inner is not None
+        copier._run_segments = lambda segs, store: batches.append([s.slot for s in segs]) or inner(segs, store)
     try:
         rng = random.Random(3)
         ids = list(range(NUM_BLOCKS))
@@ -349,8 +368,11 @@ def test_parts_queued_behind_a_busy_thread_are_copied_one_by_one(
         done = copier.wait_all()
         assert [d.job_id for d in done] == [j.job_id for j in jobs]
         assert all(d.ok and d.bytes == BPC * 3 * 2048 for d in done)
-        assert [c.job_id for c in calls] == [j.job_id for j in jobs]  # each alone, in order
-        assert all(len(c.segments) == 1 for c in calls)
+        if kernel:  # the first alone (it was the queue's only part), the nine behind it in one call
+            assert [c.job_id for c in calls] == [10]
+            assert batches == [[0], list(range(1, SLOTS))]
+        else:
+            assert [c.job_id for c in calls] == [j.job_id for j in jobs]  # each alone, in order
         reference = torch.zeros_like(copier.slab)
         for job in jobs:
             naive(pages, reference, job)
@@ -369,7 +391,7 @@ def test_every_part_of_a_slab_of_slots_is_copied_segment_by_segment_in_c(monkeyp
     def counting(*args: object, **kwargs: object) -> object:
         inner = host_kernel.segment_runner(*args, force=True, **kwargs)  # type: ignore[arg-type]
         assert inner is not None
-        return lambda seg, store: used.append((seg.slot, store)) or inner(seg, store)
+        return lambda segs, store: used.extend((seg.slot, store) for seg in segs) or inner(segs, store)
 
     monkeypatch.setattr(host_copier, "segment_runner", counting)
     layout, pages = make_layout(2048)
@@ -437,9 +459,22 @@ def test_a_bad_part_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not done[99].ok and "out of range" in done[99].error and done[99].bytes == 0
         assert all(done[j.job_id].ok and done[j.job_id].bytes == BPC * 3 * 2048 for j in good)
         assert done[50].ok and done[50].bytes == 2 * 3 * 2048
+        # the stores queued behind the first were one batch, refused whole (nothing copied), then copied
+        # one by one; the load and the store after it were batches of one part each
+        assert [c.job_id for c in calls] == [0, 1, 99, 2, 50, 3]
         reference = torch.zeros_like(copier.slab)
         for job in good:
             naive(pages, reference, job)
         assert torch.equal(copier.slab, reference)
     finally:
         copier.close()
+
+
+def test_a_batch_call_shares_its_time_out_by_bytes() -> None:
+    """The parts of one batched call report their own bytes and consecutive shares of its time, so a job's
+    reported throughput is the call's rather than a fraction of it."""
+    parts = [(1, CopyJob(1, "store", (CopySegment(0, 0, (1,)),))),
+             (2, CopyJob(2, "store", (CopySegment(1, 0, (2, 3, 4)),)))]
+    done = host_copier._share_out(parts, 100, 10.0, 14.0)
+    assert [(seq, moved, error) for seq, moved, error, _, _ in done] == [(1, 100, ""), (2, 300, "")]
+    assert [(start, end) for *_, start, end in done] == [(10.0, 11.0), (11.0, 14.0)]

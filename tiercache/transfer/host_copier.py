@@ -1,11 +1,13 @@
 """HostThreadCopier: block copies for host-resident KV caches on background threads.
 
-Jobs are split into parts that a couple of threads take from one queue; results
-come back in submission order. See tiercache/transfer/device.py for the ordering contract.
+Jobs are split into parts that a couple of threads take from one queue, each
+thread the parts queued behind it as one batch; results come back in submission
+order. See tiercache/transfer/device.py for the ordering contract.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import queue
@@ -63,13 +65,24 @@ class HostThreadCopier(BlockCopier):
     ``GIL_FREE_ITEMS``); each part costs about ten microseconds of Python.
 
     Where the compiled copy-plan executor (:mod:`tiercache.transfer.host_kernel`)
-    was built, every part of a slab of slots goes to it segment by segment, each
-    segment's plan made in C (``copy_segment``: no numpy plan, no gathers); a
-    planes slab sends it every part as a numpy plan. Without the executor, parts
-    go to the numpy gathers (a planes slab: one memmove per run of the plan).
-    Each part is copied alone:
-    taking the parts queued behind a thread as one batch measured slower on the
-    Intel VM at 256-512 KiB jobs (0.30-0.39 of memcpy against 0.51-0.68 alone).
+    was built, every part of a slab of slots goes to it, each segment's plan
+    made in C (``copy_segments``: no numpy plan, no gathers); a planes slab sends
+    it every part as a numpy plan. Without the executor, parts go to the numpy
+    gathers (a planes slab: one memmove per run of the plan).
+
+    Batches: a thread takes the part it waited for and its share of the parts
+    queued behind it (see :func:`_work`) and, where segments are copied in C,
+    copies each run of them in one direction with one call, reporting them under
+    one lock. Handing a part to a thread costs Python work and a GIL hand-over
+    on both sides of its copy, as much as copying a 64 KiB chunk; on the AMD
+    VM (session 30) batches took 256 KiB chunks submitted one a job from
+    0.68-0.80 of one memcpy to 0.87-0.96 (stores) and 0.72-0.96 to 1.01-1.28
+    (loads). (With numpy plans, before ``copy_segments``, batches measured slower
+    on the Intel VM: the plan of a batch cost more than its parts' hand-overs.)
+
+    Threading: ``submit``, ``poll``, ``wait_all`` and ``close`` run on the
+    worker's main thread; ``_running``, ``_ready``, ``_finished`` and ``_awaited``
+    are shared with the copy threads under ``_progress``.
 
     Results are released in submission order, so :meth:`poll` is FIFO.
     """
@@ -90,9 +103,9 @@ class HostThreadCopier(BlockCopier):
         # where they may run.
         self._kernel = run_kernel() if _host_resident(layout, slab, planes) else None
         self._geometry = PlanGeometry.of(layout, slab, blocks_per_chunk, planes)
-        self._run_segment = segment_runner(self._geometry, layout.num_blocks, slab.shape[0]) \
+        self._run_segments = segment_runner(self._geometry, layout.num_blocks, slab.shape[0]) \
             if self._kernel is not None else None
-        self._segment_copier = None if planes is not None or self._run_segment is not None \
+        self._segment_copier = None if planes is not None or self._run_segments is not None \
             else HostSegmentCopier.build(layout, slab, blocks_per_chunk)
         self._block_bytes = sum(layout.page_bytes)  # bytes one block id moves
         self.threads = threads or default_copy_threads()
@@ -108,7 +121,7 @@ class HostThreadCopier(BlockCopier):
         # after their copies in flight, before the engine's memory goes away.
         me = weakref.ref(self)
         workers = [
-            threading.Thread(target=_work, args=(self._parts, me), name=f"tiercache-copy-{i}")
+            threading.Thread(target=_work, args=(self._parts, me, self.threads), name=f"tiercache-copy-{i}")
             for i in range(self.threads)
         ]
         for worker in workers:
@@ -119,7 +132,7 @@ class HostThreadCopier(BlockCopier):
 
     def _describe(self) -> str:
         sc = self._segment_copier
-        if self._run_segment is not None:
+        if self._run_segments is not None:
             return f"each segment planned and copied by the compiled executor ({stores_used()} stores)"
         if self._kernel is not None:
             small = f"numpy gathers ({len(sc.groups)} group(s))" if sc is not None else "the executor"
@@ -142,11 +155,9 @@ class HostThreadCopier(BlockCopier):
             self._parts.put((seq, part))
 
     def _copy(self, job: CopyJob) -> int:
-        if self._run_segment is not None:
-            # each segment's indices checked in C before it copies: a bad segment fails the job (segments
-            # before it copied; a failed job's slots and blocks are never used)
-            store = job.direction == "store"
-            return sum(self._run_segment(seg, store) for seg in job.segments)
+        if self._run_segments is not None:
+            # every segment's indices checked in C before any byte moves: a bad segment fails the job
+            return self._run_segments(job.segments, job.direction == "store")
         small = self._kernel is None or _part_bytes(job, self._block_bytes) < KERNEL_MIN_BYTES
         if self._segment_copier is not None and small:
             return self._segment_copier.copy(job)
@@ -156,22 +167,46 @@ class HostThreadCopier(BlockCopier):
         plan = plan_copy(self._geometry, job.direction == "store", job.segments)
         return self._kernel(plan) if self._kernel is not None else run_plan_on_host(plan)
 
-    def _run_part(self, seq: int, part: CopyJob) -> None:
+    def _run_parts(self, batch: list[_Part]) -> None:
+        """Copy one thread's batch of parts in order, then report them all under one lock.
+
+        Where segments are copied in C, each run of consecutive parts of one direction is one call
+        (the GIL released once for all of them); a call that raises copied nothing (every index is
+        checked first) and its parts are copied again one by one, so that a bad part fails alone.
+        """
+        done: list[_PartDone] = []
+        for store, group in itertools.groupby(batch, key=lambda item: item[1].direction == "store"):
+            parts = list(group)
+            if self._run_segments is not None and len(parts) > 1:
+                start = time.perf_counter()
+                try:
+                    self._run_segments([seg for _, part in parts for seg in part.segments], store)
+                    done += _share_out(parts, self._block_bytes, start, time.perf_counter())
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a bad part among them: each part alone below
+                    logger.debug("tiercache copier: a batch of %d parts refused (%s); copying them one by one",
+                                 len(parts), exc)
+            for seq, part in parts:
+                done.append(self._run_part(seq, part))
+        self._parts_done(done)
+
+    def _run_part(self, seq: int, part: CopyJob) -> _PartDone:
         start = time.perf_counter()
         moved, error = 0, ""
         try:
             moved = self._copy(part)
         except Exception as exc:  # noqa: BLE001 - a failed copy is a failed job, never a crash
             error = repr(exc)
-        self._part_done(seq, moved, error, start, time.perf_counter())
+        return seq, moved, error, start, time.perf_counter()
 
-    def _part_done(self, seq: int, moved: int, error: str, start: float, end: float) -> None:
+    def _parts_done(self, done: list[_PartDone]) -> None:
         with self._progress:
-            job = self._running[seq]
-            job.parts -= 1
-            job.moved += moved
-            job.error = job.error or error
-            job.start, job.end = min(job.start, start), max(job.end, end)
+            for seq, moved, error, start, end in done:
+                job = self._running[seq]
+                job.parts -= 1
+                job.moved += moved
+                job.error = job.error or error
+                job.start, job.end = min(job.start, start), max(job.end, end)
             while (nxt := self._running.get(self._finished + 1)) is not None and nxt.parts == 0:
                 self._ready.append(self._running.pop(self._finished + 1).result())
                 self._finished += 1
@@ -210,6 +245,7 @@ def _host_resident(layout: KVBlockLayout, slab: torch.Tensor, planes: Sequence[t
 
 
 _Part = tuple[int, CopyJob]  # (submission number, the segments of a job one thread copies)
+_PartDone = tuple[int, int, str, float, float]  # (submission number, bytes moved, error, start, end)
 
 
 # Without copy_segment (tests turn it off): a part this big or bigger goes to the compiled executor as a numpy
@@ -219,19 +255,57 @@ _Part = tuple[int, CopyJob]  # (submission number, the segments of a job one thr
 # 2 MiB and more).
 KERNEL_MIN_BYTES = 1 << 20
 
+# A copy thread's batch: at most this many parts, this many bytes of blocks (its first part whatever its size).
+# Why batches: a part handed to a thread costs Python work and a GIL hand-over on each side of its copy, as much
+# as the copy of a 64 KiB chunk; a batch pays them once (the segments of its parts go to C in one call).
+BATCH_PARTS = 64
+BATCH_BYTES = 8 << 20
 
-def _work(parts: queue.SimpleQueue[_Part | None], copier: weakref.ref[HostThreadCopier]) -> None:
-    """A copy thread: run parts until told to stop (its one ``None``) or the copier is gone."""
+
+def _work(parts: queue.SimpleQueue[_Part | None], copier: weakref.ref[HostThreadCopier], threads: int) -> None:
+    """A copy thread: run parts until told to stop (its one ``None``) or the copier is gone.
+
+    It takes the part it waited for and its share of the parts queued behind it (``threads``
+    take turns; at most ``BATCH_PARTS`` parts, ``BATCH_BYTES`` of blocks) and copies them as one
+    batch (:meth:`HostThreadCopier._run_parts`)."""
     while (item := parts.get()) is not None:
         owner = copier()
         if owner is None:
             return
-        owner._run_part(*item)
+        batch, size = [item], _part_bytes(item[1], owner._block_bytes)
+        share = min(BATCH_PARTS, parts.qsize() // threads)
+        stop = False
+        while len(batch) <= share and size < BATCH_BYTES:
+            try:
+                more = parts.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:  # told to stop: after this batch
+                stop = True
+                break
+            batch.append(more)
+            size += _part_bytes(more[1], owner._block_bytes)
+        owner._run_parts(batch)
         del owner
+        if stop:
+            return
 
 
 def _part_bytes(part: CopyJob, block_bytes: int) -> int:
     return sum(len(seg.block_ids) for seg in part.segments) * block_bytes
+
+
+def _share_out(parts: list[_Part], block_bytes: int, start: float, end: float) -> list[_PartDone]:
+    """The parts of one copy call as done, each its bytes and its share of the call's time (by bytes, in
+    order), so that a job's throughput reads as if its part had been copied alone."""
+    sizes = [_part_bytes(part, block_bytes) for _, part in parts]
+    per_byte = (end - start) / max(1, sum(sizes))
+    done: list[_PartDone] = []
+    at = start
+    for (seq, _), size in zip(parts, sizes):
+        done.append((seq, size, "", at, at + size * per_byte))
+        at += size * per_byte
+    return done
 
 
 def _stop_workers(parts: queue.SimpleQueue[_Part | None], workers: list[threading.Thread]) -> None:

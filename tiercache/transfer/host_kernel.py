@@ -38,20 +38,22 @@ for every part). The copier sends it every part of a slab of slots through
 ``copy_segment`` (below); a planes slab's parts as numpy plans.
 
 Segments (since session 29): :func:`segment_runner` gives the copier the
-module's ``copy_segment``, which makes one segment's plan in C (the addresses of
+module's ``copy_segments`` (since session 30; ``copy_segment`` before it, one
+segment a call), which makes each segment's plan in C (the addresses of
 ``copy_plan``'s :class:`~tiercache.transfer.copy_plan.PlanGeometry`, pages
 contiguous on both sides merged) and runs it with the same two functions. A
 numpy plan costs 10-25 us a job and the numpy gathers ~10 us of Python a part,
 against ~20 us for a 256 KiB chunk's copy: on the AMD VM, one thread, scattered
 2 KiB pages, a 256 KiB chunk's store took 30 us this way against 65-69 (gathers
-or plan + executor), a load 18 against 40-54. ``copy_segment`` checks every
-index itself (IndexError, nothing copied) and releases the GIL for the copy.
+or plan + executor), a load 18 against 40-54. ``copy_segments`` checks every
+index of every segment itself (IndexError, nothing copied) and releases the GIL
+once for all of their copies: a copy thread's whole batch of parts is one call.
 For a slab of slots only (a planes slab keeps the plan).
 
 Contract: the caller owns every address of the plan for the call and guarantees
 them valid (bounds checked by :func:`~tiercache.transfer.device.check_segment`
 before planning) and the runs' destinations disjoint from every source; the
-executor neither checks nor allocates. ``copy_segment`` checks its indices
+executor neither checks nor allocates. ``copy_segments`` checks its indices
 against the geometry's counts; the geometry's addresses (engine KV tensors,
 slab) are the copier's, valid while it lives. Both are stateless: any number of
 threads may call them at once.
@@ -62,7 +64,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import numpy as np
@@ -182,30 +184,36 @@ def run_kernel(force: bool = False, stream: bool | None = None) -> Callable[[Cop
     return run
 
 
-SegmentRunner = Callable[[CopySegment, bool], int]  # (segment, store) -> bytes moved
+SegmentRunner = Callable[[Sequence[CopySegment], bool], int]  # (segments, store) -> bytes moved
+
+
+def segment_geometry(geometry: PlanGeometry, num_blocks: int, num_slots: int) -> bytes:
+    """``geometry`` (a slab of slots) as ``copy_segments`` reads it: int64 R, num_blocks, num_slots,
+    blocks_per_chunk, slot_step, then per region engine base, block stride, page, host base, host block step."""
+    g = geometry
+    return np.concatenate([
+        np.asarray([g.region_base.size, num_blocks, num_slots, g.blocks_per_chunk, g.slot_step], np.int64),
+        g.region_base, g.region_stride, g.page, g.host_base, g.block_step]).astype(np.int64).tobytes()
 
 
 def segment_runner(geometry: PlanGeometry, num_blocks: int, num_slots: int, force: bool = False,
                    stream: bool | None = None) -> SegmentRunner | None:
-    """``copy_segment`` bound to ``geometry`` (a slab of slots; None for planes), where :func:`run_kernel`
+    """``copy_segments`` bound to ``geometry`` (a slab of slots; None for planes), where :func:`run_kernel`
     would give the executor (built, self-test passed, not turned off unless ``force``); else None."""
     stream = streaming() if stream is None else stream
     if geometry.planes or run_kernel(force=force, stream=stream) is None:
         return None
     from tiercache.transfer import _copy_runs
 
-    copy_segment = getattr(_copy_runs, "copy_segment", None)
-    if copy_segment is None:  # a module built before copy_segment existed: rebuild (pip install -e .)
-        logger.warning("tiercache copy executor has no copy_segment (an older build): numpy plans and gathers")
+    copy_segments = getattr(_copy_runs, "copy_segments", None)
+    if copy_segments is None:  # a module built before copy_segments existed: rebuild (pip install -e .)
+        logger.warning("tiercache copy executor has no copy_segments (an older build): numpy plans and gathers")
         return None
-    g = geometry
-    packed = np.concatenate([
-        np.asarray([g.region_base.size, num_blocks, num_slots, g.blocks_per_chunk, g.slot_step], np.int64),
-        g.region_base, g.region_stride, g.page, g.host_base, g.block_step]).astype(np.int64).tobytes()
+    packed = segment_geometry(geometry, num_blocks, num_slots)
     streamed = stores_used(stream) == "streaming"
 
-    def run(seg: CopySegment, store: bool) -> int:
-        return copy_segment(packed, store, streamed, seg.slot, seg.first_block, seg.block_ids)
+    def run(segments: Sequence[CopySegment], store: bool) -> int:
+        return copy_segments(packed, store, streamed, [(s.slot, s.first_block, s.block_ids) for s in segments])
 
     return run
 

@@ -29,15 +29,19 @@
  * (tiercache/transfer/host_kernel.py). They are stateless: any number of
  * threads may call them at once.
  *
- * copy_segment(geometry, store, stream, slot, first_block, block_ids) is the
- * one Python function: the plan of one segment (one chunk slot's blocks) made
- * and run in C, for jobs too small for a numpy plan to pay off (a plan costs
- * 10-25 us of numpy calls, a 256 KiB chunk's copy about 20). ``geometry`` is
+ * copy_segments(geometry, store, stream, [(slot, first_block, block_ids), ...])
+ * is the Python function the copier calls: the plans of many segments (each one
+ * chunk slot's blocks) made and run in C, with the GIL released once for all of
+ * them (a copy thread's batch of parts: a GIL hand-over costs as much as a 64 KiB
+ * copy); a numpy plan costs 10-25 us of numpy calls, a 256 KiB chunk's copy about
+ * 20. copy_segment(geometry, store, stream, slot, first_block, block_ids) is the
+ * same for one segment. ``geometry`` is
  * bytes of int64 (host_kernel.segment_geometry): R, num_blocks, num_slots,
  * blocks_per_chunk, slot_step, then per region its engine base, block stride,
  * page bytes, host base and host block step, the values of copy_plan's
- * PlanGeometry for a slab of slots. It checks every index (IndexError, nothing
- * copied), lists region r's page of each block in region-major order (the
+ * PlanGeometry for a slab of slots. It checks every index of every segment
+ * before any byte moves (IndexError, nothing copied), lists, segment by segment,
+ * region r's page of each block in region-major order (the
  * slot's host order), merges pages contiguous on both sides, and runs them
  * with copy_runs or copy_runs_stream with the GIL released. Returns the bytes
  * moved.
@@ -45,7 +49,7 @@
  * Contract of copy_runs / copy_runs_stream: every address is valid for its run
  * for the whole call and no run's destination overlaps any source (the caller
  * checks bounds before planning: tiercache.transfer.device.check_segment);
- * nothing is checked or allocated there. copy_segment checks its own indices
+ * nothing is checked or allocated there. copy_segments checks its own indices
  * against the geometry's counts; the geometry's addresses (the engine's KV
  * tensors, the slab) must stay valid while the copier that holds it lives.
  * A prefetch never faults, whatever the address.
@@ -130,7 +134,159 @@ static void copy_runs_stream(const int64_t *dst, const int64_t *src, const int64
 
 #define GEOMETRY_HEAD 5   /* R, num_blocks, num_slots, blocks_per_chunk, slot_step */
 #define GEOMETRY_FIELDS 5 /* per region: engine base, block stride, page, host base, host block step */
-#define STACK_RUNS 1024
+
+typedef struct {
+    int64_t regions, num_blocks, num_slots, bpc, slot_step;
+    const int64_t *base, *stride, *page, *host_base, *block_step;
+} geometry_t;
+
+typedef struct {
+    int64_t slot, first, n, at; /* the segment's block ids are ids[at .. at + n) */
+} segment_t;
+
+/* The geometry's bytes (host_kernel.segment_runner) as pointers into them; -1 with ValueError if malformed. */
+static int parse_geometry(PyObject *obj, geometry_t *g, const char *who) {
+    char *raw;
+    Py_ssize_t raw_len;
+    if (PyBytes_AsStringAndSize(obj, &raw, &raw_len) < 0) return -1;
+    const int64_t *v = (const int64_t *)raw;
+    if (raw_len < (Py_ssize_t)(GEOMETRY_HEAD * sizeof(int64_t)) || v[0] <= 0 ||
+        raw_len != (Py_ssize_t)((GEOMETRY_HEAD + GEOMETRY_FIELDS * v[0]) * sizeof(int64_t))) {
+        PyErr_Format(PyExc_ValueError, "%s: malformed geometry", who);
+        return -1;
+    }
+    g->regions = v[0], g->num_blocks = v[1], g->num_slots = v[2], g->bpc = v[3], g->slot_step = v[4];
+    g->base = v + GEOMETRY_HEAD, g->stride = g->base + g->regions, g->page = g->stride + g->regions;
+    g->host_base = g->page + g->regions, g->block_step = g->host_base + g->regions;
+    return 0;
+}
+
+/* Segment ``seg``'s slot, position and block ids checked against the geometry (IndexError with the
+ * messages of tiercache.transfer.device.check_segment) and its ids written to ids[seg->at ..]; the
+ * caller made room for them (seg->n of them). GIL held. */
+static int take_segment(const geometry_t *g, segment_t *seg, PyObject *ids_seq, int64_t *ids) {
+    if (seg->slot < 0 || seg->slot >= g->num_slots) {
+        PyErr_Format(PyExc_IndexError, "slot %lld out of range [0, %lld)", (long long)seg->slot,
+                     (long long)g->num_slots);
+        return -1;
+    }
+    if (seg->first < 0 || seg->first + seg->n > g->bpc) {
+        PyErr_Format(PyExc_IndexError, "%lld blocks from position %lld overflow a %lld-block chunk",
+                     (long long)seg->n, (long long)seg->first, (long long)g->bpc);
+        return -1;
+    }
+    for (int64_t i = 0; i < seg->n; i++) {
+        long long id = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(ids_seq, i));
+        if (id == -1 && PyErr_Occurred()) return -1;
+        if (id < 0 || id >= g->num_blocks) {
+            PyErr_Format(PyExc_IndexError, "block id %lld out of range [0, %lld)", id, (long long)g->num_blocks);
+            return -1;
+        }
+        ids[seg->at + i] = id;
+    }
+    return 0;
+}
+
+/* Plans and copies every segment, one after another (region r's page of each block in region-major
+ * order, the slot's host order; pages contiguous on both sides merged). ``runs`` has room for
+ * 3 * regions * (the largest n) entries. Needs no GIL. Returns the bytes moved. */
+static int64_t run_segments(const geometry_t *g, int store, int stream, const segment_t *segs, Py_ssize_t count,
+                            const int64_t *ids, int64_t *runs, int64_t room) {
+    int64_t moved = 0;
+    int64_t *engine = runs, *host = runs + room, *sizes = runs + 2 * room;
+    for (Py_ssize_t s = 0; s < count; s++) {
+        const segment_t *seg = &segs[s];
+        int64_t n_runs = 0;
+        for (int64_t r = 0; r < g->regions; r++) {
+            int64_t host_at = g->host_base[r] + seg->slot * g->slot_step + seg->first * g->block_step[r];
+            for (int64_t i = 0; i < seg->n; i++, host_at += g->block_step[r]) {
+                int64_t engine_at = g->base[r] + ids[seg->at + i] * g->stride[r];
+                if (n_runs > 0 && engine[n_runs - 1] + sizes[n_runs - 1] == engine_at &&
+                    host[n_runs - 1] + sizes[n_runs - 1] == host_at) {
+                    sizes[n_runs - 1] += g->page[r];
+                } else {
+                    engine[n_runs] = engine_at;
+                    host[n_runs] = host_at;
+                    sizes[n_runs] = g->page[r];
+                    n_runs++;
+                }
+                moved += g->page[r];
+            }
+        }
+        const int64_t *dst = store ? host : engine, *src = store ? engine : host;
+        if (stream)
+            copy_runs_stream(dst, src, sizes, n_runs);
+        else
+            copy_runs(dst, src, sizes, n_runs);
+    }
+    return moved;
+}
+
+/* The shared body of copy_segment and copy_segments: ``items`` is a sequence of (slot, first_block,
+ * block_ids), or NULL for copy_segment's one segment given by ``one`` (its three objects). Every
+ * segment is checked before any byte moves; the copies run with the GIL released. */
+static PyObject *copy_some(PyObject *geometry, PyObject *store_obj, PyObject *stream_obj, PyObject *items,
+                           PyObject *const *one, const char *who) {
+    geometry_t g;
+    if (parse_geometry(geometry, &g, who) < 0) return NULL;
+    int store = PyObject_IsTrue(store_obj), stream = PyObject_IsTrue(stream_obj);
+    if (store < 0 || stream < 0) return NULL;
+    PyObject *list = NULL;
+    Py_ssize_t count = 1;
+    if (items != NULL) {
+        list = PySequence_Fast(items, "copy_segments: segments must be a sequence of (slot, first_block, block_ids)");
+        if (list == NULL) return NULL;
+        count = PySequence_Fast_GET_SIZE(list);
+    }
+    PyObject **id_seqs = PyMem_Calloc((size_t)(count > 0 ? count : 1), sizeof(PyObject *));
+    segment_t *segs = PyMem_Calloc((size_t)(count > 0 ? count : 1), sizeof(segment_t));
+    int64_t *buf = NULL, total = 0, largest = 0, moved = 0;
+    PyObject *result = NULL;
+    if (id_seqs == NULL || segs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t s = 0; s < count; s++) {
+        PyObject *const *fields = one;
+        if (list != NULL) {
+            PyObject *item = PySequence_Fast_GET_ITEM(list, s);
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+                PyErr_SetString(PyExc_TypeError, "copy_segments: each segment is a (slot, first_block, block_ids) tuple");
+                goto done;
+            }
+            fields = &PyTuple_GET_ITEM(item, 0);
+        }
+        segs[s].slot = PyLong_AsLongLong(fields[0]);
+        segs[s].first = PyLong_AsLongLong(fields[1]);
+        if (PyErr_Occurred()) goto done;
+        id_seqs[s] = PySequence_Fast(fields[2], "copy_segment: block_ids must be a sequence");
+        if (id_seqs[s] == NULL) goto done;
+        segs[s].n = PySequence_Fast_GET_SIZE(id_seqs[s]);
+        segs[s].at = total;
+        total += segs[s].n;
+        if (segs[s].n > largest) largest = segs[s].n;
+    }
+    int64_t room = largest * g.regions;
+    buf = PyMem_Malloc((size_t)(total + 3 * room + 1) * sizeof(int64_t));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t s = 0; s < count; s++)
+        if (take_segment(&g, &segs[s], id_seqs[s], buf) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    moved = run_segments(&g, store, stream, segs, count, buf, buf + total, room);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLongLong(moved);
+done:
+    if (id_seqs != NULL)
+        for (Py_ssize_t s = 0; s < count; s++) Py_XDECREF(id_seqs[s]);
+    PyMem_Free(id_seqs);
+    PyMem_Free(segs);
+    PyMem_Free(buf);
+    Py_XDECREF(list);
+    return result;
+}
 
 static PyObject *copy_segment(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -138,93 +294,23 @@ static PyObject *copy_segment(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "copy_segment(geometry, store, stream, slot, first_block, block_ids)");
         return NULL;
     }
-    char *raw;
-    Py_ssize_t raw_len;
-    if (PyBytes_AsStringAndSize(args[0], &raw, &raw_len) < 0) return NULL;
-    const int64_t *g = (const int64_t *)raw;
-    if (raw_len < (Py_ssize_t)(GEOMETRY_HEAD * sizeof(int64_t)) || g[0] <= 0 ||
-        raw_len != (Py_ssize_t)((GEOMETRY_HEAD + GEOMETRY_FIELDS * g[0]) * sizeof(int64_t))) {
-        PyErr_SetString(PyExc_ValueError, "copy_segment: malformed geometry");
+    return copy_some(args[0], args[1], args[2], NULL, args + 3, "copy_segment");
+}
+
+static PyObject *copy_segments(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_segments(geometry, store, stream, segments)");
         return NULL;
     }
-    int64_t regions = g[0], num_blocks = g[1], num_slots = g[2], bpc = g[3], slot_step = g[4];
-    const int64_t *base = g + GEOMETRY_HEAD, *stride = base + regions, *page = stride + regions;
-    const int64_t *host_base = page + regions, *block_step = host_base + regions;
-    int store = PyObject_IsTrue(args[1]), stream = PyObject_IsTrue(args[2]);
-    long long slot = PyLong_AsLongLong(args[3]), first = PyLong_AsLongLong(args[4]);
-    if (store < 0 || stream < 0 || PyErr_Occurred()) return NULL;
-    PyObject *seq = PySequence_Fast(args[5], "copy_segment: block_ids must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (slot < 0 || slot >= num_slots) {  /* the messages of tiercache.transfer.device.check_segment */
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_IndexError, "slot %lld out of range [0, %lld)", slot, (long long)num_slots);
-        return NULL;
-    }
-    if (first < 0 || first + n > bpc) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_IndexError, "%zd blocks from position %lld overflow a %lld-block chunk", n, first,
-                     (long long)bpc);
-        return NULL;
-    }
-    int64_t stack[3 * STACK_RUNS];
-    int64_t *buf = stack;
-    Py_ssize_t entries = n * regions;
-    if (n > 0 && 3 * entries + n > 3 * STACK_RUNS) {
-        buf = PyMem_Malloc((size_t)(3 * entries + n) * sizeof(int64_t));
-        if (buf == NULL) {
-            Py_DECREF(seq);
-            return PyErr_NoMemory();
-        }
-    }
-    int64_t *ids = buf + 3 * entries, *engine = buf, *host = buf + entries, *sizes = buf + 2 * entries;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long id = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (id == -1 && PyErr_Occurred()) goto fail;
-        if (id < 0 || id >= num_blocks) {
-            PyErr_Format(PyExc_IndexError, "block id %lld out of range [0, %lld)", id, (long long)num_blocks);
-            goto fail;
-        }
-        ids[i] = id;
-    }
-    Py_DECREF(seq);
-    seq = NULL;
-    Py_ssize_t runs = 0;
-    int64_t moved = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (int64_t r = 0; r < regions; r++) {
-        int64_t host_at = host_base[r] + slot * slot_step + first * block_step[r];
-        for (Py_ssize_t i = 0; i < n; i++, host_at += block_step[r]) {
-            int64_t engine_at = base[r] + ids[i] * stride[r];
-            if (runs > 0 && engine[runs - 1] + sizes[runs - 1] == engine_at &&
-                host[runs - 1] + sizes[runs - 1] == host_at) {
-                sizes[runs - 1] += page[r];
-            } else {
-                engine[runs] = engine_at;
-                host[runs] = host_at;
-                sizes[runs] = page[r];
-                runs++;
-            }
-            moved += page[r];
-        }
-    }
-    const int64_t *dst = store ? host : engine, *src = store ? engine : host;
-    if (stream)
-        copy_runs_stream(dst, src, sizes, runs);
-    else
-        copy_runs(dst, src, sizes, runs);
-    Py_END_ALLOW_THREADS
-    if (buf != stack) PyMem_Free(buf);
-    return PyLong_FromLongLong(moved);
-fail:
-    Py_XDECREF(seq);
-    if (buf != stack) PyMem_Free(buf);
-    return NULL;
+    return copy_some(args[0], args[1], args[2], args[3], NULL, "copy_segments");
 }
 
 static PyMethodDef methods[] = {
     {"copy_segment", (PyCFunction)(void (*)(void))copy_segment, METH_FASTCALL,
      "copy_segment(geometry, store, stream, slot, first_block, block_ids) -> bytes moved (see the C source)"},
+    {"copy_segments", (PyCFunction)(void (*)(void))copy_segments, METH_FASTCALL,
+     "copy_segments(geometry, store, stream, [(slot, first_block, block_ids), ...]) -> bytes moved"},
     {NULL, NULL, 0, NULL},
 };
 
