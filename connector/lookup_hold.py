@@ -7,8 +7,10 @@ does not yet cache that request's blocks), or an earlier load's report is late
 after a stalled store. The hit would stop before that chunk and vLLM would
 recompute it and everything after it, although the chunk lands within a step
 or two. Such a lookup is *held* instead: the scheduler answers vLLM "ask again
-next step" (``get_num_new_matched_tokens`` returns None), for at most
-``deadlines.lookup_s`` per request; past that the hit is what it is.
+next step" (``get_num_new_matched_tokens`` returns None), ``MIN_HOLDS`` times
+whatever the clock says and then for at most ``deadlines.lookup_s`` from the
+request's first hold (a step can outlast that budget); past that the hit is
+what it is.
 
 Not held: a hit that stops inside vLLM's own prefix cache (``own_chunks``: vLLM
 serves those chunks itself, a busy copy of them changes nothing), and a hit
@@ -21,8 +23,9 @@ write-through copy is made. Planned anyway, the load would stage what fits and
 vLLM would recompute the rest (``staging_no_slot``); a step later those slots
 are READY and evictable. Seen at concurrency 8 with a 32-slot host tier in
 front of disk: eight conversations' next turns, five chunks each, arrive in
-one step. Same budget (``deadlines.lookup_s`` per request, shared with the
-busy-chunk hold), and never for a hit larger than the whole host tier.
+one step. Same budget (``MIN_HOLDS`` holds, then ``deadlines.lookup_s`` per
+request, shared with the busy-chunk hold), and never for a hit larger than the
+whole host tier.
 
 Threading: vLLM's scheduler thread only (the manager and the request's state
 belong to it).
@@ -43,8 +46,8 @@ def hold_for_busy_chunk(manager: OffloadingManager, st: RequestState, keys: Sequ
                         own_chunks: int, limit_s: float, now: float | None = None) -> bool:
     """True: ask vLLM to come back next step, the hit stops at ``keys[hits]``, which is being written
     into the host tier. ``hits``: the request's hit (chunks) in every tier; ``own_chunks``: the
-    leading chunks vLLM's own prefix cache holds. A request is held for at most ``limit_s`` in all,
-    counted from its first hold (``st.held_since``)."""
+    leading chunks vLLM's own prefix cache holds. A request is held ``MIN_HOLDS`` times, then for at
+    most ``limit_s`` in all, counted from its first hold (``st.held_since``)."""
     if not own_chunks <= hits < len(keys) or not manager.busy_in_host(keys[hits]):
         return False
     return _within_budget(st, limit_s, now)
@@ -66,9 +69,20 @@ def hold_for_staging_room(manager: OffloadingManager, st: RequestState, chunk_ke
     return _within_budget(st, limit_s, now)
 
 
+#: A request may be held this many times whatever the clock says; past that, within ``limit_s`` of its
+#: first hold. Why: what a hold waits for lands a step later, and a step of a busy engine can outlast
+#: ``deadlines.lookup_s`` (eight 4k-token conversations on two CPU cores: over a second), which would
+#: spend a wall-clock budget in one step (seen as ``staging_no_slot``, docs/PERFORMANCE.md, Serving).
+MIN_HOLDS = 3
+
+
 def _within_budget(st: RequestState, limit_s: float, now: float | None) -> bool:
-    """Whether ``st``'s request may be held once more: ``limit_s`` in all, from its first hold."""
+    """Whether ``st``'s request may be held once more (and count it): its first ``MIN_HOLDS`` holds
+    always, later ones within ``limit_s`` of its first hold."""
     now = time.monotonic() if now is None else now
     if st.held_since is None:
         st.held_since = now
-    return now - st.held_since < limit_s
+    if st.holds < MIN_HOLDS or now - st.held_since < limit_s:
+        st.holds += 1
+        return True
+    return False

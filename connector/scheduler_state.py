@@ -24,7 +24,8 @@ class RequestState:
     lookup_hit_tokens: int = 0
     lookup_tokens: int = 0  # asked of tiercache at the last lookup (beyond vLLM's own hit), until allocated
     shared_asked: bool = False  # the shared tiers answered for this request already
-    held_since: float | None = None  # first lookup held for a busy chunk (connector/lookup_hold.py)
+    held_since: float | None = None  # first lookup held (busy chunk, staging room: connector/lookup_hold.py)
+    holds: int = 0  # lookups held so far (connector/lookup_hold.py)
     tail_stored: bool = False  # P/D producer, via_host: the prompt's tail was offered to the host tier
     partial: PartialChunk | None = None  # the partial chunk ending the last lookup's hit (partial_chunks.py)
     partial_stored: PartialChunk | None = None  # the request's latest partial chunk (stored or loaded)

@@ -57,10 +57,11 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
               "under many concurrent loads and stores, or a lower tier behind on demotions). The host tier's "
               "refusals are offered again next step while their request runs, each time counted.", ("tier",)),
     MetricDef("lookup_waits", "tiercache_lookup_waits", "counter",
-              "Lookups answered 'ask again next step' (vLLM schedules the request a step later, each request "
-              "for at most deadlines.lookup_s), by reason: shared_tier_pending (a shared tier's answer not "
-              "back yet), chunk_being_written (the chunk after the hit is being written into the host tier), "
-              "no_staging_room (the host tier cannot stage the hit's lower-tier chunks this step).",
+              "Lookups answered 'ask again next step' (vLLM schedules the request a step later), by reason: "
+              "shared_tier_pending (a shared tier's answer not back yet; up to deadlines.lookup_s), "
+              "chunk_being_written (the chunk after the hit is being written into the host tier), "
+              "no_staging_room (the host tier cannot stage the hit's lower-tier chunks this step); these two "
+              "hold a request three times, then within deadlines.lookup_s of its first hold.",
               ("reason",)),
     MetricDef("failures", "tiercache_failed_chunks", "counter",
               "Chunks whose load or store failed (loads are recomputed).", ("op",)),

@@ -8,7 +8,8 @@ bounds) and on the real scheduler half over a real disk tier (two requests with
 the same prefix in async load mode, no engine). Then the hold for staging room:
 a hit whose lower-tier chunks the host tier cannot stage now (its slots being
 written by this step's other loads) waits a step instead of staging part of it
-and recomputing the rest.
+and recomputing the rest. Both share one budget: ``MIN_HOLDS`` holds whatever
+the clock says (a step may outlast the deadline), then ``deadlines.lookup_s``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import pathlib
 import time
 
-from tiercache.connector.lookup_hold import hold_for_busy_chunk, hold_for_staging_room
+from tiercache.connector.lookup_hold import MIN_HOLDS, hold_for_busy_chunk, hold_for_staging_room
 from tiercache.connector.metadata import JobReport, TierCacheWorkerMetadata
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.scheduler_state import RequestState
@@ -56,10 +57,16 @@ def test_no_hold_inside_vllms_own_cache_past_the_deadline_or_at_a_plain_miss() -
     assert manager.lookup(keys) == 1
     # vLLM's own prefix cache holds the first two chunks: it serves the busy one itself
     assert not hold_for_busy_chunk(manager, fresh(), keys, 1, own_chunks=2, limit_s=1.0)
-    # bounded: held from t=10, no longer at t=11
+    # bounded: held from t=10 for a second (four holds), no longer at t=11
     st = fresh()
-    assert hold_for_busy_chunk(manager, st, keys, 1, own_chunks=0, limit_s=1.0, now=10.0)
+    for now in (10.0, 10.3, 10.6, 10.9):
+        assert hold_for_busy_chunk(manager, st, keys, 1, own_chunks=0, limit_s=1.0, now=now)
     assert not hold_for_busy_chunk(manager, st, keys, 1, own_chunks=0, limit_s=1.0, now=11.0)
+    # steps longer than the budget: MIN_HOLDS holds all the same, then no more
+    st = fresh()
+    for held in range(MIN_HOLDS):
+        assert hold_for_busy_chunk(manager, st, keys, 1, own_chunks=0, limit_s=1.0, now=10.0 + 2 * held)
+    assert not hold_for_busy_chunk(manager, st, keys, 1, own_chunks=0, limit_s=1.0, now=10.0 + 2 * MIN_HOLDS)
     # a miss that is nobody's write is not waited for
     assert not hold_for_busy_chunk(manager, fresh(), keys, 2, own_chunks=0, limit_s=1.0)
     assert not hold_for_busy_chunk(manager, fresh(), keys, 3, own_chunks=0, limit_s=1.0)  # a full hit
@@ -142,7 +149,8 @@ def test_a_hit_the_host_tier_has_no_room_to_stage_is_held_within_its_budget() ->
     st = fresh()
     assert hold_for_staging_room(manager, st, mine, None, limit_s=1.0, now=10.0)
     assert hold_for_staging_room(manager, st, mine, None, limit_s=1.0, now=10.5)
-    assert not hold_for_staging_room(manager, st, mine, None, limit_s=1.0, now=11.0)  # budget spent
+    assert hold_for_staging_room(manager, st, mine, None, limit_s=1.0, now=12.0)  # MIN_HOLDS: a long step
+    assert not hold_for_staging_room(manager, st, mine, None, limit_s=1.0, now=13.0)  # budget spent
     assert not hold_for_staging_room(manager, fresh(), mine[:1], None, limit_s=1.0)  # one chunk fits
     manager.complete_load(others)  # READY in the host tier now: evictable
     assert not hold_for_staging_room(manager, fresh(), mine, None, limit_s=1.0)
