@@ -189,7 +189,8 @@ def test_copy_segment_refuses_bad_indices_and_geometry_before_copying() -> None:
     good = [CopySegment(1, 0, (3, 4)), CopySegment(2, 1, (9,))]
     for seg, message in ((CopySegment(SLOTS, 0, (1,)), "slot"), (CopySegment(-1, 0, (1,)), "slot"),
                          (CopySegment(0, 0, (NUM_BLOCKS,)), "block id"), (CopySegment(0, 0, (2, -1)), "block id"),
-                         (CopySegment(0, BPC - 1, (1, 2)), "overflow")):
+                         (CopySegment(0, BPC - 1, (1, 2)), "overflow"),
+                         (CopySegment(0, 2**63 - 1, (1,)), "overflow")):  # no int64 overflow in the check
         for store in (False, True):  # a load: engine bytes would be overwritten
             with pytest.raises(IndexError, match=message):
                 runner([seg], store)

@@ -170,7 +170,7 @@ static int take_segment(const geometry_t *g, segment_t *seg, PyObject *ids_seq, 
                      (long long)g->num_slots);
         return -1;
     }
-    if (seg->first < 0 || seg->first + seg->n > g->bpc) {
+    if (seg->first < 0 || seg->n > g->bpc || seg->first > g->bpc - seg->n) { /* (no overflow) */
         PyErr_Format(PyExc_IndexError, "%lld blocks from position %lld overflow a %lld-block chunk",
                      (long long)seg->n, (long long)seg->first, (long long)g->bpc);
         return -1;
