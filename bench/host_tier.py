@@ -547,11 +547,14 @@ def describe_run(
     else:
         copier = f"{args.threads or default_copy_threads()} copy thread(s)"
         copier += ", per-run copies" if args.per_run_copies else ""
-        copier += ", parts queued behind a thread copied as one batch" if args.batches else ", each part alone"
         executor = args.kernel and not args.per_run_copies and host_kernel.run_kernel() is not None
+        batched = executor and args.segments and args.batches  # batches need the segments in C
+        copier += ", parts queued behind a thread copied as one batch" if batched else ", each part alone"
         how = "each segment planned in C" if args.segments else "from 1 MiB parts"
-        copier += f", compiled executor ({host_kernel.stores_used()} stores, {how})" if executor \
-            else ", numpy gathers only"
+        if executor:
+            copier += f", compiled executor ({host_kernel.stores_used()} stores, {how})"
+        elif not args.per_run_copies:
+            copier += ", numpy gathers only"
     return (
         f"host tier {device.type}: {geom.layers} layers of {shape} {geom.dtype}, "
         f"{geom.bytes_per_block} B/block, {page} B/page, "
