@@ -248,7 +248,7 @@ _Part = tuple[int, CopyJob]  # (submission number, the segments of a job one thr
 _PartDone = tuple[int, int, str, float, float]  # (submission number, bytes moved, error, start, end)
 
 
-# Without copy_segment (tests turn it off): a part this big or bigger goes to the compiled executor as a numpy
+# Without copy_segments (tests turn it off): a part this big or bigger goes to the compiled executor as a numpy
 # plan even where numpy gathers could copy it: below,
 # the plan's ~20 us of numpy calls cost more than the faster copy saves (measured on the Intel VM with
 # two threads: the executor behind the gathers at 256-512 KiB parts, ahead from 1 MiB parts: jobs of

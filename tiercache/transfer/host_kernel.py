@@ -35,7 +35,7 @@ When: by default, wherever the module was built and its self-test (three runs
 copied at import, the bytes compared) passes; ``TIERCACHE_HOST_KERNEL=0`` in
 the engine's environment turns it off (the copier then keeps its numpy gathers
 for every part). The copier sends it every part of a slab of slots through
-``copy_segment`` (below); a planes slab's parts as numpy plans.
+``copy_segments`` (below); a planes slab's parts as numpy plans.
 
 Segments (since session 29): :func:`segment_runner` gives the copier the
 module's ``copy_segments`` (since session 30; ``copy_segment`` before it, one
