@@ -7,7 +7,7 @@ consecutive runs, ids out of order, a single page, partial chunks, several
 segments, and the largest job (every block of the engine into every slot), for
 stores and loads, with pages of 2 KiB (the small-model case of issue 22) and
 of odd sizes. Negative controls: a plan with two runs swapped is caught, and
-``TIERCACHE_HOST_KERNEL=0`` turns the executor off. ``copy_segment`` (each
+``TIERCACHE_HOST_KERNEL=0`` turns the executor off. ``copy_segments`` (each
 segment's plan made in C) against the same reference, its index checks and a
 malformed geometry, ``copy_segments`` (many segments in one call) likewise. The
 copier: a thread copies the parts queued behind it as one batch, every part of a
@@ -124,7 +124,7 @@ def test_kernel_plans_leave_the_reference_bytes(kind: str, page: int, executor: 
 @pytest.mark.parametrize("page", [2048, 192, 96], ids=["2KiB-pages", "192B-pages", "96B-pages"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_segments_planned_in_c_leave_the_reference_bytes(kind: str, page: int, stream: bool) -> None:
-    """copy_segment (host_kernel.segment_runner) makes each segment's plan itself: same reference."""
+    """copy_segments (host_kernel.segment_runner) makes each segment's plan itself: same reference."""
     layout, pages = make_layout(page)
     slab = torch.randint(0, 256, (SLOTS, layout.slot_bytes(BPC)), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(1))
@@ -179,7 +179,7 @@ def test_copy_segment_refuses_bad_indices_and_geometry_before_copying() -> None:
     """Every index is checked in C (the messages of check_segment), nothing is written, also where the
     bad segment follows good ones in one call; a geometry of the wrong length and malformed segments are
     refused; a planes slab gets no runner (its plan stays in numpy)."""
-    from tiercache.transfer._copy_runs import copy_segment, copy_segments
+    from tiercache.transfer._copy_runs import copy_segments
 
     layout, _ = make_layout(2048)
     slab = torch.zeros(SLOTS, layout.slot_bytes(BPC), dtype=torch.uint8)
@@ -198,11 +198,9 @@ def test_copy_segment_refuses_bad_indices_and_geometry_before_copying() -> None:
                 runner([*good, seg], store)  # the good ones before it are not copied either
         assert not slab.any()
     with pytest.raises(ValueError, match="malformed geometry"):
-        copy_segment(b"\x01" * 40, True, False, 0, 0, (1,))
-    with pytest.raises(ValueError, match="malformed geometry"):
         copy_segments(b"\x01" * 40, True, False, [(0, 0, (1,))])
     with pytest.raises(TypeError):
-        copy_segment(b"", True, False, 0, 0)  # type: ignore[call-arg]
+        copy_segments(b"", True, False)  # type: ignore[call-arg]
     packed = host_kernel.segment_geometry(geometry, NUM_BLOCKS, SLOTS)
     for malformed in ([(0, 0)], [[0, 0, (1,)]], [(0, 0, 5)], [(0, "0", (1,))], 7):
         with pytest.raises(TypeError):
@@ -383,7 +381,7 @@ def test_parts_queued_behind_a_busy_thread_are_copied_as_one_batch(
 
 
 def test_every_part_of_a_slab_of_slots_is_copied_segment_by_segment_in_c(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the executor is built, small and large parts alike go to copy_segment (counted), not to the
+    """Where the executor is built, small and large parts alike go to copy_segments (counted), not to the
     numpy gathers or a numpy plan; the bytes are the reference's."""
     if run is None:
         pytest.skip("the copy executor was not built here")
@@ -415,7 +413,7 @@ def test_every_part_of_a_slab_of_slots_is_copied_segment_by_segment_in_c(monkeyp
 
 
 def test_parts_go_to_the_executor_from_kernel_min_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without copy_segment (a planes slab, or as here turned off): below KERNEL_MIN_BYTES a part takes the
+    """Without copy_segments (a planes slab, or as here turned off): below KERNEL_MIN_BYTES a part takes the
     numpy gathers, from it the executor (counted)."""
     if run is None:
         pytest.skip("the copy executor was not built here")

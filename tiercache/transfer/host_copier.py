@@ -121,7 +121,7 @@ class HostThreadCopier(BlockCopier):
         # after their copies in flight, before the engine's memory goes away.
         me = weakref.ref(self)
         workers = [
-            threading.Thread(target=_work, args=(self._parts, me, self.threads), name=f"tiercache-copy-{i}")
+            threading.Thread(target=_work, args=(self._parts, me), name=f"tiercache-copy-{i}")
             for i in range(self.threads)
         ]
         for worker in workers:
@@ -262,18 +262,18 @@ BATCH_PARTS = 64
 BATCH_BYTES = 8 << 20
 
 
-def _work(parts: queue.SimpleQueue[_Part | None], copier: weakref.ref[HostThreadCopier], threads: int) -> None:
+def _work(parts: queue.SimpleQueue[_Part | None], copier: weakref.ref[HostThreadCopier]) -> None:
     """A copy thread: run parts until told to stop (its one ``None``) or the copier is gone.
 
-    It takes the part it waited for and its share of the parts queued behind it (``threads``
-    take turns; at most ``BATCH_PARTS`` parts, ``BATCH_BYTES`` of blocks) and copies them as one
+    It takes the part it waited for and its share of the parts queued behind it (the copier's
+    threads take turns; at most ``BATCH_PARTS`` parts, ``BATCH_BYTES`` of blocks) and copies them as one
     batch (:meth:`HostThreadCopier._run_parts`)."""
     while (item := parts.get()) is not None:
         owner = copier()
         if owner is None:
             return
         batch, size = [item], _part_bytes(item[1], owner._block_bytes)
-        share = min(BATCH_PARTS, parts.qsize() // threads)
+        share = min(BATCH_PARTS, parts.qsize() // owner.threads)
         stop = False
         while len(batch) <= share and size < BATCH_BYTES:
             try:

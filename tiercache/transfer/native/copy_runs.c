@@ -30,12 +30,11 @@
  * threads may call them at once.
  *
  * copy_segments(geometry, store, stream, [(slot, first_block, block_ids), ...])
- * is the Python function the copier calls: the plans of many segments (each one
- * chunk slot's blocks) made and run in C, with the GIL released once for all of
- * them (a copy thread's batch of parts: a GIL hand-over costs as much as a 64 KiB
- * copy); a numpy plan costs 10-25 us of numpy calls, a 256 KiB chunk's copy about
- * 20. copy_segment(geometry, store, stream, slot, first_block, block_ids) is the
- * same for one segment. ``geometry`` is
+ * is the one Python function: the plans of many segments (each one chunk slot's
+ * blocks) made and run in C, with the GIL released once for all of them (a copy
+ * thread's batch of parts: a GIL hand-over costs as much as a 64 KiB copy); a
+ * numpy plan costs 10-25 us of numpy calls, a 256 KiB chunk's copy about 20.
+ * ``geometry`` is
  * bytes of int64 (host_kernel.segment_geometry): R, num_blocks, num_slots,
  * blocks_per_chunk, slot_step, then per region its engine base, block stride,
  * page bytes, host base and host block step, the values of copy_plan's
@@ -145,14 +144,14 @@ typedef struct {
 } segment_t;
 
 /* The geometry's bytes (host_kernel.segment_runner) as pointers into them; -1 with ValueError if malformed. */
-static int parse_geometry(PyObject *obj, geometry_t *g, const char *who) {
+static int parse_geometry(PyObject *obj, geometry_t *g) {
     char *raw;
     Py_ssize_t raw_len;
     if (PyBytes_AsStringAndSize(obj, &raw, &raw_len) < 0) return -1;
     const int64_t *v = (const int64_t *)raw;
     if (raw_len < (Py_ssize_t)(GEOMETRY_HEAD * sizeof(int64_t)) || v[0] <= 0 ||
         raw_len != (Py_ssize_t)((GEOMETRY_HEAD + GEOMETRY_FIELDS * v[0]) * sizeof(int64_t))) {
-        PyErr_Format(PyExc_ValueError, "%s: malformed geometry", who);
+        PyErr_SetString(PyExc_ValueError, "copy_segments: malformed geometry");
         return -1;
     }
     g->regions = v[0], g->num_blocks = v[1], g->num_slots = v[2], g->bpc = v[3], g->slot_step = v[4];
@@ -222,22 +221,23 @@ static int64_t run_segments(const geometry_t *g, int store, int stream, const se
     return moved;
 }
 
-/* The shared body of copy_segment and copy_segments: ``items`` is a sequence of (slot, first_block,
- * block_ids), or NULL for copy_segment's one segment given by ``one`` (its three objects). Every
- * segment is checked before any byte moves; the copies run with the GIL released. */
-static PyObject *copy_some(PyObject *geometry, PyObject *store_obj, PyObject *stream_obj, PyObject *items,
-                           PyObject *const *one, const char *who) {
-    geometry_t g;
-    if (parse_geometry(geometry, &g, who) < 0) return NULL;
-    int store = PyObject_IsTrue(store_obj), stream = PyObject_IsTrue(stream_obj);
-    if (store < 0 || stream < 0) return NULL;
-    PyObject *list = NULL;
-    Py_ssize_t count = 1;
-    if (items != NULL) {
-        list = PySequence_Fast(items, "copy_segments: segments must be a sequence of (slot, first_block, block_ids)");
-        if (list == NULL) return NULL;
-        count = PySequence_Fast_GET_SIZE(list);
+/* copy_segments(geometry, store, stream, segments): ``segments`` a sequence of (slot, first_block,
+ * block_ids) tuples. Every segment is checked before any byte moves; the copies run with the GIL
+ * released. */
+static PyObject *copy_segments(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_segments(geometry, store, stream, segments)");
+        return NULL;
     }
+    geometry_t g;
+    if (parse_geometry(args[0], &g) < 0) return NULL;
+    int store = PyObject_IsTrue(args[1]), stream = PyObject_IsTrue(args[2]);
+    if (store < 0 || stream < 0) return NULL;
+    PyObject *list =
+        PySequence_Fast(args[3], "copy_segments: segments must be a sequence of (slot, first_block, block_ids)");
+    if (list == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(list);
     PyObject **id_seqs = PyMem_Calloc((size_t)(count > 0 ? count : 1), sizeof(PyObject *));
     segment_t *segs = PyMem_Calloc((size_t)(count > 0 ? count : 1), sizeof(segment_t));
     int64_t *buf = NULL, total = 0, largest = 0, moved = 0;
@@ -247,19 +247,16 @@ static PyObject *copy_some(PyObject *geometry, PyObject *store_obj, PyObject *st
         goto done;
     }
     for (Py_ssize_t s = 0; s < count; s++) {
-        PyObject *const *fields = one;
-        if (list != NULL) {
-            PyObject *item = PySequence_Fast_GET_ITEM(list, s);
-            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
-                PyErr_SetString(PyExc_TypeError, "copy_segments: each segment is a (slot, first_block, block_ids) tuple");
-                goto done;
-            }
-            fields = &PyTuple_GET_ITEM(item, 0);
+        PyObject *item = PySequence_Fast_GET_ITEM(list, s);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            PyErr_SetString(PyExc_TypeError, "copy_segments: each segment is a (slot, first_block, block_ids) tuple");
+            goto done;
         }
+        PyObject *const *fields = &PyTuple_GET_ITEM(item, 0);
         segs[s].slot = PyLong_AsLongLong(fields[0]);
         segs[s].first = PyLong_AsLongLong(fields[1]);
         if (PyErr_Occurred()) goto done;
-        id_seqs[s] = PySequence_Fast(fields[2], "copy_segment: block_ids must be a sequence");
+        id_seqs[s] = PySequence_Fast(fields[2], "copy_segments: block_ids must be a sequence");
         if (id_seqs[s] == NULL) goto done;
         segs[s].n = PySequence_Fast_GET_SIZE(id_seqs[s]);
         segs[s].at = total;
@@ -284,31 +281,11 @@ done:
     PyMem_Free(id_seqs);
     PyMem_Free(segs);
     PyMem_Free(buf);
-    Py_XDECREF(list);
+    Py_DECREF(list);
     return result;
 }
 
-static PyObject *copy_segment(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "copy_segment(geometry, store, stream, slot, first_block, block_ids)");
-        return NULL;
-    }
-    return copy_some(args[0], args[1], args[2], NULL, args + 3, "copy_segment");
-}
-
-static PyObject *copy_segments(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_segments(geometry, store, stream, segments)");
-        return NULL;
-    }
-    return copy_some(args[0], args[1], args[2], args[3], NULL, "copy_segments");
-}
-
 static PyMethodDef methods[] = {
-    {"copy_segment", (PyCFunction)(void (*)(void))copy_segment, METH_FASTCALL,
-     "copy_segment(geometry, store, stream, slot, first_block, block_ids) -> bytes moved (see the C source)"},
     {"copy_segments", (PyCFunction)(void (*)(void))copy_segments, METH_FASTCALL,
      "copy_segments(geometry, store, stream, [(slot, first_block, block_ids), ...]) -> bytes moved"},
     {NULL, NULL, 0, NULL},
@@ -317,7 +294,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_copy_runs",
     "copy_runs and copy_runs_stream(dst, src, sizes, n) of tiercache/transfer/native/copy_runs.c: "
-    "their addresses are COPY_RUNS and COPY_RUNS_STREAM; copy_segment plans and runs one segment.",
+    "their addresses are COPY_RUNS and COPY_RUNS_STREAM; copy_segments plans and runs many segments.",
     -1, methods,
 };
 
